@@ -1,0 +1,75 @@
+"""The :class:`Broker` protocol every adapter implements.
+
+The consumer runtime needs five verbs from a broker. Each adapter maps them onto what
+its broker offers (native delays, redelivery counts, dead-letter queues):
+
+* ``fetch`` - up to ``max_messages`` deliveries for a consumer group, waiting at most
+  ``timeout`` seconds. Each returned :class:`~msgpatterns.Message` has a durable
+  ``attempt`` and a ``receipt`` the adapter understands.
+* ``ack`` - the delivery succeeded; it is never delivered to this group again
+  (except as an at-least-once duplicate).
+* ``nack(delay)`` - redeliver after ``delay`` seconds with ``attempt + 1``. The
+  message's headers at the time of the call travel with the redelivery.
+* ``dead_letter`` - park the message with its :class:`~msgpatterns.DeadLetter`
+  record and remove it from the group's queue.
+* ``publish`` - send a new message; returns its id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from msgpatterns.deadletter import DeadLetter
+from msgpatterns.message import Message
+
+__all__ = ["Broker", "SupportsVirtualTime"]
+
+
+@runtime_checkable
+class Broker(Protocol):
+    """What the consumer runtime needs from a broker client."""
+
+    def fetch(
+        self,
+        topics: Sequence[str],
+        group: str,
+        max_messages: int = 1,
+        timeout: float = 0.0,
+    ) -> list[Message]: ...
+
+    def ack(self, message: Message) -> None: ...
+
+    def nack(self, message: Message, delay: float = 0.0) -> None: ...
+
+    def dead_letter(self, message: Message, record: DeadLetter) -> None: ...
+
+    def publish(
+        self,
+        topic: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> str: ...
+
+    def now(self) -> float:
+        """The broker's clock in seconds since the epoch (virtual on the fake)."""
+        ...
+
+
+@runtime_checkable
+class SupportsVirtualTime(Protocol):
+    """A broker whose clock a test may move forward (the in-memory fake).
+
+    ``Consumer.run_until_idle`` uses it to jump to the next due delivery instead of
+    sleeping, and only while nothing is in flight.
+    """
+
+    def next_due(self, topics: Sequence[str], group: str) -> float | None:
+        """When the next delayed or timed-out delivery for the group becomes due."""
+        ...
+
+    def advance_to(self, when: float) -> None:
+        """Move the clock forward to ``when`` (never backwards)."""
+        ...

@@ -1,0 +1,463 @@
+"""InMemoryBroker: a faithful in-process fake of an at-least-once broker.
+
+It behaves like a real broker, not like a stub: every consumer group gets every
+message; a delivery that is not acked within the visibility timeout, or is nacked,
+comes back with ``attempt + 1``; nack delays and timeouts run on a virtual clock that
+tests can jump forward; dead letters are kept with their records. Seeded fault
+injection reproduces what real networks do: duplicate deliveries, reordering within
+a window, and acks lost on the way back (the message is redelivered later).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from msgpatterns.deadletter import DeadLetter
+from msgpatterns.message import Message
+
+__all__ = ["BrokerEvent", "BrokerStats", "InMemoryBroker", "VirtualClock"]
+
+log = logging.getLogger("msgpatterns.brokers.memory")
+
+
+class VirtualClock:
+    """Wall-clock time plus the jumps a test asked for. Thread-safe; never goes back."""
+
+    def __init__(self, start: float | None = None) -> None:
+        base = time.time()
+        self._offset = 0.0 if start is None else start - base
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return time.time() + self._offset
+
+    def advance(self, seconds: float) -> None:
+        """Jump ``seconds`` forward."""
+        if seconds < 0:
+            raise ValueError("the clock never goes back")
+        with self._lock:
+            self._offset += seconds
+
+    def advance_to(self, when: float) -> None:
+        """Jump to ``when`` if it lies in the future."""
+        with self._lock:
+            ahead = when - (time.time() + self._offset)
+            if ahead > 0:
+                self._offset += ahead
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerEvent:
+    """One thing that happened to a delivery, for assertions and debugging."""
+
+    kind: str  # publish | deliver | ack | lost-ack | nack | dead | duplicate | timeout
+    message_id: str
+    group: str
+    attempt: int
+    at: float
+    delay: float = 0.0
+
+
+@dataclass
+class BrokerStats:
+    """Counters of what the broker did (all groups)."""
+
+    published: int = 0
+    delivered: int = 0
+    redelivered: int = 0
+    duplicates: int = 0
+    acks: int = 0
+    lost_acks: int = 0
+    stale_acks: int = 0
+    double_acks: int = 0
+    nacks: int = 0
+    timeouts: int = 0
+    dead_letters: int = 0
+
+
+@dataclass(slots=True)
+class _Entry:
+    uid: int
+    id: str
+    topic: str
+    body: Any
+    key: str | None
+    headers: dict[str, str]
+    timestamp: float
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Receipt:
+    group: str
+    topic: str
+    uid: int
+    token: int
+
+
+@dataclass
+class _Lane:
+    """The state of one consumer group on one topic."""
+
+    ready: deque[_Entry] = field(default_factory=deque)
+    delayed: list[tuple[float, int, _Entry]] = field(default_factory=list)
+    inflight: dict[int, tuple[int, float, _Entry]] = field(default_factory=dict)
+    leases: list[tuple[float, int, int]] = field(default_factory=list)  # (deadline, token, uid)
+    deliveries: dict[int, int] = field(default_factory=dict)
+    headers: dict[int, dict[str, str]] = field(default_factory=dict)
+    done: dict[int, tuple[str, int]] = field(default_factory=dict)  # uid -> (state, token)
+    entries: int = 0
+
+
+class InMemoryBroker:
+    """An in-process broker with real at-least-once semantics and fault injection.
+
+    Args:
+        seed: seeds the fault-injection random generator (and message ids).
+        duplicate_rate: probability that a delivery is followed by a duplicate copy.
+        reorder_window: a fetch picks at random among the first ``reorder_window``
+            ready messages (0 or 1: FIFO).
+        lost_ack_rate: probability that an ack is lost: the message stays unacked and
+            is redelivered after ``visibility_timeout``.
+        visibility_timeout: seconds (virtual) a delivery may stay unacked before the
+            broker redelivers it.
+        record_history: keep a :class:`BrokerEvent` log in :attr:`history`.
+
+    For assertions: :attr:`acked`, :attr:`pending`, :attr:`dead_letters`,
+    :attr:`stats`, :attr:`history`.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int | None = None,
+        duplicate_rate: float = 0.0,
+        reorder_window: int = 0,
+        lost_ack_rate: float = 0.0,
+        visibility_timeout: float = 900.0,
+        clock: VirtualClock | None = None,
+        record_history: bool = True,
+    ) -> None:
+        for name, rate in (("duplicate_rate", duplicate_rate), ("lost_ack_rate", lost_ack_rate)):
+            if not 0.0 <= rate < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {rate}")
+        if reorder_window < 0:
+            raise ValueError("reorder_window cannot be negative")
+        self.duplicate_rate = duplicate_rate
+        self.reorder_window = reorder_window
+        self.lost_ack_rate = lost_ack_rate
+        self.visibility_timeout = visibility_timeout
+        self.clock = clock or VirtualClock()
+        self.stats = BrokerStats()
+        self.record_history = record_history
+        self.history: list[BrokerEvent] = []
+        self.published: list[Message] = []
+        self._rng = random.Random(seed)
+        self._seeded = seed is not None
+        self._cond = threading.Condition(threading.Lock())
+        self._topics: dict[str, list[_Entry]] = {}
+        self._lanes: dict[tuple[str, str], _Lane] = {}  # (group, topic) -> lane
+        self._uids = itertools.count(1)
+        self._tokens = itertools.count(1)
+        self._acked: list[Message] = []
+        self._dead: list[DeadLetter] = []
+        self._closed = False
+
+    # -- publishing -----------------------------------------------------------------
+
+    def publish(
+        self,
+        topic: str,
+        body: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        id: str | None = None,  # noqa: A002
+    ) -> str:
+        """Publish a message to every group of ``topic``; returns its id."""
+        with self._cond:
+            if id is None:
+                id = uuid.UUID(int=self._rng.getrandbits(128), version=4).hex if self._seeded \
+                    else uuid.uuid4().hex
+            log_ = self._topics.setdefault(topic, [])
+            entry = _Entry(
+                next(self._uids), id, topic, body, key, dict(headers or {}),
+                self.clock.now(), len(log_),
+            )
+            log_.append(entry)
+            for (_, lane_topic), lane in self._lanes.items():
+                if lane_topic == topic:
+                    lane.ready.append(entry)
+                    lane.entries += 1
+            self.stats.published += 1
+            self.published.append(self._to_message(entry, entry.headers, 1))
+            self._event("publish", entry.id, "", 0)
+            self._cond.notify_all()
+        return id
+
+    def subscribe(self, topic: str, group: str) -> None:
+        """Create ``group`` on ``topic`` now (it otherwise appears on its first fetch and
+        starts from the earliest message)."""
+        with self._cond:
+            self._lane(group, topic)
+
+    # -- Broker protocol ------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def fetch(
+        self,
+        topics: Sequence[str],
+        group: str,
+        max_messages: int = 1,
+        timeout: float = 0.0,
+    ) -> list[Message]:
+        """Up to ``max_messages`` deliveries for ``group``, waiting up to ``timeout``."""
+        give_up = time.monotonic() + timeout
+        with self._cond:
+            lanes = [(t, self._lane(group, t)) for t in topics]
+            while True:
+                out: list[Message] = []
+                now = self.clock.now()
+                for topic, lane in lanes:
+                    self._promote(group, lane, now)
+                    while lane.ready and len(out) < max_messages:
+                        out.append(self._deliver(group, topic, lane, now))
+                if out or self._closed:
+                    return out
+                remaining = give_up - time.monotonic()
+                if remaining <= 0:
+                    return out
+                due = self._next_due(lanes)
+                wait = remaining if due is None else min(remaining, max(due - now, 0.0005))
+                self._cond.wait(wait)
+
+    def ack(self, message: Message) -> None:
+        receipt = self._receipt(message)
+        with self._cond:
+            lane = self._lanes[(receipt.group, receipt.topic)]
+            done = lane.done.get(receipt.uid)
+            if done is not None:
+                if done == ("acked", receipt.token):
+                    self.stats.double_acks += 1
+                    log.warning("message %s acked twice by the same delivery", message.id)
+                else:
+                    self.stats.stale_acks += 1
+                return
+            if self.lost_ack_rate and self._rng.random() < self.lost_ack_rate:
+                self.stats.lost_acks += 1
+                self._event("lost-ack", message.id, receipt.group, message.attempt)
+                return
+            lane.inflight.pop(receipt.uid, None)
+            lane.done[receipt.uid] = ("acked", receipt.token)
+            self.stats.acks += 1
+            self._acked.append(message)
+            self._event("ack", message.id, receipt.group, message.attempt)
+            self._cond.notify_all()
+
+    def nack(self, message: Message, delay: float = 0.0) -> None:
+        receipt = self._receipt(message)
+        with self._cond:
+            lane = self._lanes[(receipt.group, receipt.topic)]
+            held = lane.inflight.get(receipt.uid)
+            if held is None or held[0] != receipt.token or receipt.uid in lane.done:
+                return  # stale: redelivered or settled since
+            entry = held[2]
+            del lane.inflight[receipt.uid]
+            lane.headers[receipt.uid] = dict(message.headers)
+            self.stats.nacks += 1
+            self._event("nack", message.id, receipt.group, message.attempt, delay)
+            if delay > 0:
+                heapq.heappush(lane.delayed, (self.clock.now() + delay, entry.uid, entry))
+            else:
+                lane.ready.append(entry)
+            self._cond.notify_all()
+
+    def dead_letter(self, message: Message, record: DeadLetter) -> None:
+        receipt = self._receipt(message)
+        with self._cond:
+            lane = self._lanes[(receipt.group, receipt.topic)]
+            if receipt.uid in lane.done:
+                return
+            lane.inflight.pop(receipt.uid, None)
+            lane.done[receipt.uid] = ("dead", receipt.token)
+            self._dead.append(record)
+            self.stats.dead_letters += 1
+            self._event("dead", message.id, receipt.group, message.attempt)
+            self._cond.notify_all()
+
+    # -- virtual time ---------------------------------------------------------------
+
+    def next_due(self, topics: Sequence[str], group: str) -> float | None:
+        with self._cond:
+            return self._next_due([(t, self._lane(group, t)) for t in topics])
+
+    def advance_to(self, when: float) -> None:
+        with self._cond:
+            self.clock.advance_to(when)
+            self._cond.notify_all()
+
+    def advance(self, seconds: float) -> None:
+        """Move the virtual clock ``seconds`` forward."""
+        with self._cond:
+            self.clock.advance(seconds)
+            self._cond.notify_all()
+
+    # -- assertions -----------------------------------------------------------------
+
+    @property
+    def acked(self) -> list[Message]:
+        """Deliveries whose ack reached the broker (lost acks excluded), in order."""
+        with self._cond:
+            return list(self._acked)
+
+    @property
+    def dead_letters(self) -> list[DeadLetter]:
+        with self._cond:
+            return list(self._dead)
+
+    @property
+    def pending(self) -> int:
+        """Messages not yet acked or dead-lettered, over all groups (a topic nobody
+        consumes counts all its messages)."""
+        with self._cond:
+            total = 0
+            for topic, entries in self._topics.items():
+                lanes = [lane for (_, t), lane in self._lanes.items() if t == topic]
+                if not lanes:
+                    total += len(entries)
+                total += sum(lane.entries - len(lane.done) for lane in lanes)
+            return total
+
+    def pending_for(self, group: str, topic: str | None = None) -> int:
+        """Messages of ``group`` (on ``topic``, or all its topics) not yet settled."""
+        with self._cond:
+            return sum(
+                lane.entries - len(lane.done)
+                for (g, t), lane in self._lanes.items()
+                if g == group and (topic is None or t == topic)
+            )
+
+    def in_flight(self, group: str | None = None) -> int:
+        """Deliveries handed out and not yet acked, nacked or timed out."""
+        with self._cond:
+            return sum(
+                len(lane.inflight) for (g, _), lane in self._lanes.items()
+                if group is None or g == group
+            )
+
+    def close(self) -> None:
+        """Wake every waiting fetch; later fetches return nothing."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _lane(self, group: str, topic: str) -> _Lane:
+        lane = self._lanes.get((group, topic))
+        if lane is None:
+            lane = _Lane()
+            entries = self._topics.setdefault(topic, [])
+            lane.ready.extend(entries)
+            lane.entries = len(entries)
+            self._lanes[(group, topic)] = lane
+        return lane
+
+    def _promote(self, group: str, lane: _Lane, now: float) -> None:
+        while lane.delayed and lane.delayed[0][0] <= now:
+            lane.ready.append(heapq.heappop(lane.delayed)[2])
+        while lane.leases and lane.leases[0][0] <= now:
+            _, token, uid = heapq.heappop(lane.leases)
+            held = lane.inflight.get(uid)
+            if held is not None and held[0] == token:
+                del lane.inflight[uid]
+                lane.ready.append(held[2])
+                self.stats.timeouts += 1
+                self._event("timeout", held[2].id, group, lane.deliveries[uid])
+
+    def _next_due(self, lanes: Sequence[tuple[str, _Lane]]) -> float | None:
+        due: float | None = None
+        for _, lane in lanes:
+            if lane.ready:
+                return self.clock.now()
+            candidates = []
+            if lane.delayed:
+                candidates.append(lane.delayed[0][0])
+            while lane.leases and lane.inflight.get(lane.leases[0][2], (None,))[0] != \
+                    lane.leases[0][1]:
+                heapq.heappop(lane.leases)  # drop leases of settled deliveries
+            if lane.leases:
+                candidates.append(lane.leases[0][0])
+            for c in candidates:
+                due = c if due is None else min(due, c)
+        return due
+
+    def _deliver(self, group: str, topic: str, lane: _Lane, now: float) -> Message:
+        window = min(self.reorder_window, len(lane.ready))
+        if window > 1:
+            index = self._rng.randrange(window)
+            entry = lane.ready[index]
+            del lane.ready[index]
+        else:
+            entry = lane.ready.popleft()
+        attempt = lane.deliveries.get(entry.uid, 0) + 1
+        lane.deliveries[entry.uid] = attempt
+        token = next(self._tokens)
+        deadline = now + self.visibility_timeout
+        lane.inflight[entry.uid] = (token, deadline, entry)
+        heapq.heappush(lane.leases, (deadline, token, entry.uid))
+        self.stats.delivered += 1
+        if attempt > 1:
+            self.stats.redelivered += 1
+        self._event("deliver", entry.id, group, attempt)
+        if self.duplicate_rate and self._rng.random() < self.duplicate_rate:
+            copy = _Entry(
+                next(self._uids), entry.id, entry.topic, entry.body, entry.key,
+                entry.headers, entry.timestamp, entry.offset,
+            )
+            lane.ready.append(copy)
+            lane.entries += 1
+            self.stats.duplicates += 1
+            self._event("duplicate", entry.id, group, attempt)
+        message = self._to_message(entry, lane.headers.get(entry.uid, entry.headers), attempt)
+        message.receipt = _Receipt(group, topic, entry.uid, token)
+        return message
+
+    @staticmethod
+    def _to_message(entry: _Entry, headers: Mapping[str, str], attempt: int) -> Message:
+        return Message(
+            entry.body,
+            id=entry.id,
+            key=entry.key,
+            topic=entry.topic,
+            headers=headers,
+            timestamp=entry.timestamp,
+            attempt=attempt,
+            partition=0,
+            offset=entry.offset,
+        )
+
+    def _receipt(self, message: Message) -> _Receipt:
+        receipt = message.receipt
+        if not isinstance(receipt, _Receipt):
+            raise ValueError(f"{message!r} was not delivered by this InMemoryBroker")
+        return receipt
+
+    def _event(self, kind: str, message_id: str, group: str, attempt: int,
+               delay: float = 0.0) -> None:
+        if self.record_history:
+            self.history.append(
+                BrokerEvent(kind, message_id, group, attempt, self.clock.now(), delay)
+            )

@@ -1,0 +1,522 @@
+"""The consumer runtime: fetch -> handler -> ack / retry / dead letter, for any broker.
+
+Guarantees:
+
+* Flow control: never more than ``max_in_flight`` messages fetched and not yet settled
+  (waiting to run, running, awaiting an explicit ack, or waiting for a local retry).
+* Every delivery is settled exactly once, by the first of: the handler returning
+  (auto ack), an explicit ``message.ack``, the handler raising, the ack deadline, or
+  the consumer stopping. The outcome goes through :meth:`RetryPolicy.decide`.
+* ``stop(timeout)`` stops fetching, lets in-flight work finish until ``timeout``, then
+  hands every message still unsettled back to the broker: nothing is lost.
+* In ordered mode a key's messages run one at a time in delivery order; a message
+  being retried holds its key, so later messages of that key wait (other keys go on).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+from msgpatterns import headers as h
+from msgpatterns.brokers.base import Broker, SupportsVirtualTime
+from msgpatterns.deadletter import DeadLetter, DeadLetterStore
+from msgpatterns.errors import AckTimeout, MalformedMessage, NeedRetry, seconds
+from msgpatterns.message import Message
+from msgpatterns.retry import Action, RetryPolicy
+from msgpatterns.timer import TimerHandle, TimingWheel
+
+__all__ = ["Consumer", "ConsumerStats", "Handler"]
+
+log = logging.getLogger("msgpatterns.consumer")
+
+Handler = Callable[[Message], Any]
+
+
+class _Released(Exception):  # noqa: N818
+    """Internal: the consumer is stopping and hands the message back unprocessed."""
+
+
+@dataclass
+class ConsumerStats:
+    """What the consumer did so far."""
+
+    fetched: int = 0
+    acked: int = 0
+    failed: int = 0
+    retried_locally: int = 0
+    redelivered: int = 0
+    dead_lettered: int = 0
+    ack_timeouts: int = 0
+    released: int = 0
+    broker_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Consumer:
+    """Runs ``handler`` for every message of ``topics`` in consumer ``group``.
+
+    Args:
+        broker: any :class:`~msgpatterns.brokers.base.Broker`.
+        handler: ``handler(message)``; return to ack, raise to fail (see RetryPolicy).
+        topics: topics (streams, queues) to consume.
+        group: consumer group; each group receives every message once (at least).
+        workers: handler threads.
+        retry: the :class:`RetryPolicy` (default ``RetryPolicy()``).
+        ordered: process each ``message.key`` serially in delivery order.
+        max_in_flight: most messages held at once (fetched and not yet settled).
+        ack_timeout: seconds a delivery may stay unsettled before it is failed.
+        decoder: turns ``message.raw_body`` into ``message.body`` before the handler;
+            a decoder error is a :class:`~msgpatterns.errors.MalformedMessage` and goes
+            straight to the dead-letter store.
+        dead_letters: a store for dead letters instead of the broker's own.
+        poll_timeout: longest a fetch waits for new messages (bounds ``stop`` latency).
+        shutdown_timeout: how long ``run()`` lets in-flight work finish on SIGTERM.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        handler: Handler,
+        *,
+        topics: Sequence[str],
+        group: str,
+        workers: int = 1,
+        retry: RetryPolicy | None = None,
+        ordered: bool = False,
+        max_in_flight: int = 100,
+        ack_timeout: float | timedelta = 900.0,
+        decoder: Callable[[Any], Any] | None = None,
+        dead_letters: DeadLetterStore | None = None,
+        poll_timeout: float = 0.25,
+        shutdown_timeout: float = 30.0,
+        fetch_batch: int = 64,
+        name: str | None = None,
+    ) -> None:
+        if isinstance(topics, str):
+            topics = [topics]
+        if not topics:
+            raise ValueError("Consumer needs at least one topic")
+        if workers < 1 or max_in_flight < 1 or fetch_batch < 1:
+            raise ValueError("workers, max_in_flight and fetch_batch must be at least 1")
+        self.broker = broker
+        self.handler = handler
+        self.topics = list(topics)
+        self.group = group
+        self.workers = workers
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.ordered = ordered
+        self.max_in_flight = max_in_flight
+        self.ack_timeout = seconds(ack_timeout) or 0.0
+        self.decoder = decoder
+        self.dead_letters = dead_letters
+        self.poll_timeout = poll_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.fetch_batch = fetch_batch
+        self.name = name or f"msgpatterns-{group}"
+        self.handler_name = getattr(handler, "__qualname__", None) or repr(handler)
+        self.stats = ConsumerStats()
+
+        self._cond = threading.Condition(threading.Lock())
+        self._ready: deque[Message] = deque()
+        self._in_flight: set[Message] = set()
+        self._retry_timers: dict[Message, TimerHandle] = {}
+        self._deadlines: dict[Message, TimerHandle] = {}
+        self._fetching = False
+        self._state = _State.NEW
+        self._until_idle = False
+        self._settled_count = 0
+        self._threads: list[threading.Thread] = []
+        self._stop_requested = threading.Event()
+        self._wheel = TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
+        self._gate = _KeyGate() if ordered else None
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker threads and return."""
+        with self._cond:
+            if self._state is _State.RUNNING:
+                return
+            if self._state is _State.STOPPING:
+                raise RuntimeError("the consumer is stopping")
+            self._state = _State.RUNNING
+            self._stop_requested.clear()
+            self._threads = [
+                threading.Thread(target=self._work, name=f"{self.name}-worker-{i}", daemon=True)
+                for i in range(self.workers)
+            ]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout: float | timedelta | None = None) -> bool:
+        """Stop fetching, let in-flight work finish for up to ``timeout`` seconds, then
+        hand every message still unsettled back to the broker for redelivery.
+
+        Returns True when all in-flight work finished within the timeout.
+        """
+        limit = seconds(timeout)
+        with self._cond:
+            if self._state in (_State.NEW, _State.STOPPED):
+                self._state = _State.STOPPED
+                return True
+            self._state = _State.STOPPING
+            self._cond.notify_all()
+            give_up = None if limit is None else time.monotonic() + limit
+            while self._in_flight:
+                left = None if give_up is None else give_up - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            leftovers = list(self._in_flight)
+            self._ready.clear()
+        for message in leftovers:
+            timer = self._retry_timers.pop(message, None)
+            if timer is not None:
+                timer.cancel()
+            message.expire(_Released("consumer stopped"))
+        with self._cond:
+            self._state = _State.STOPPED
+            self._cond.notify_all()
+            threads, self._threads = self._threads, []
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=1.0)
+        self._stop_requested.set()
+        return not leftovers
+
+    def run(self) -> None:
+        """Consume until SIGTERM, SIGINT or :meth:`stop`; then shut down gracefully."""
+        restore: list[tuple[int, Any]] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                restore.append((sig, signal.getsignal(sig)))
+                signal.signal(sig, self._on_signal)
+        try:
+            self.start()
+            self._stop_requested.wait()
+        finally:
+            for sig, previous in restore:
+                signal.signal(sig, previous)
+            if self._state is not _State.STOPPED:
+                self.stop(self.shutdown_timeout)
+
+    def run_until_idle(self, timeout: float | timedelta | None = None) -> ConsumerStats:
+        """Process until nothing is deliverable, in flight or waiting for a retry.
+
+        On a broker with virtual time (the in-memory fake) the clock jumps to the next
+        due delivery instead of sleeping, and only while nothing is in flight. Raises
+        ``TimeoutError`` if not idle within ``timeout`` seconds of wall time (the
+        consumer is then stopped; unsettled messages go back to the broker).
+        """
+        limit = seconds(timeout)
+        with self._cond:
+            self._until_idle = True
+        self.start()
+        idle = self._stop_requested.wait(limit)
+        with self._cond:
+            self._until_idle = False
+        if not idle:
+            self.stop(0)
+            raise TimeoutError(f"{self.name} not idle after {limit}s: {self.stats}")
+        self.stop(0)
+        return self.stats
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        log.info("%s: signal %s, shutting down", self.name, signum)
+        self._stop_requested.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched and not yet settled."""
+        return len(self._in_flight)
+
+    # -- worker loop ----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            message = self._next()
+            if message is None:
+                return
+            if self._gate is None or self._gate.admit(message):
+                self._execute(message)
+
+    def _next(self) -> Message | None:
+        """The next message to run, fetching when needed; None when the worker exits."""
+        while True:
+            with self._cond:
+                while True:
+                    if self._ready:
+                        return self._ready.popleft()
+                    if self._state is _State.STOPPED:
+                        return None
+                    if self._state is _State.STOPPING:
+                        if not self._in_flight:
+                            return None
+                        self._cond.wait()
+                        continue
+                    free = self.max_in_flight - len(self._in_flight)
+                    if self._fetching or free <= 0:
+                        self._cond.wait(self.poll_timeout)
+                        continue
+                    self._fetching = True
+                    until_idle = self._until_idle
+                    generation = self._settled_count
+                    break
+            messages = self._fetch(min(free, self.fetch_batch), 0.0 if until_idle else None)
+            with self._cond:
+                self._fetching = False
+                if messages:
+                    for message in messages:
+                        message.bind(self._on_settled)
+                    self.stats.fetched += len(messages)
+                    self._in_flight.update(messages)
+                    self._ready.extend(messages[1:])
+                    self._cond.notify_all()
+                    return messages[0]
+                if until_idle and self._state is _State.RUNNING:
+                    if self._in_flight or self._ready:
+                        if self._settled_count == generation:
+                            self._cond.wait(self.poll_timeout)
+                        continue
+                    if not self._advance_virtual_time():
+                        self._finish_idle()
+                        return None
+                self._cond.notify_all()
+
+    def _fetch(self, count: int, timeout: float | None) -> list[Message]:
+        try:
+            return self.broker.fetch(
+                self.topics, self.group, max_messages=count,
+                timeout=self.poll_timeout if timeout is None else timeout,
+            )
+        except Exception:
+            self.stats.broker_errors += 1
+            log.exception("%s: fetch failed; retrying", self.name)
+            time.sleep(min(self.poll_timeout, 1.0))
+            return []
+
+    def _advance_virtual_time(self) -> bool:
+        """Jump the broker clock to its next due delivery; False when there is none."""
+        broker = self.broker
+        if not isinstance(broker, SupportsVirtualTime):
+            return False
+        due = broker.next_due(self.topics, self.group)
+        if due is None:
+            return False
+        broker.advance_to(due)
+        return True
+
+    def _finish_idle(self) -> None:
+        self._state = _State.STOPPING
+        self._stop_requested.set()
+        self._cond.notify_all()
+
+    # -- one delivery ---------------------------------------------------------------
+
+    def _execute(self, message: Message) -> None:
+        if self.ack_timeout > 0:
+            self._deadlines[message] = self._wheel.schedule(
+                self.ack_timeout, partial(self._deadline, message)
+            )
+        error: BaseException | None = None
+        try:
+            if self.decoder is not None:
+                try:
+                    message.body = self.decoder(message.raw_body)
+                except Exception as exc:
+                    raise MalformedMessage(f"cannot decode body: {exc!r}") from exc
+            self.handler(message)
+        except Exception as exc:
+            error = exc
+        message.handler_finished(error)
+
+    def _deadline(self, message: Message) -> None:
+        self._deadlines.pop(message, None)
+        error = AckTimeout(
+            f"message {message.id} not acked within {self.ack_timeout:g}s "
+            f"by handler {self.handler_name}"
+        )
+        if message.expire(error):
+            self.stats.ack_timeouts += 1
+            log.warning("%s; failing the delivery", error)
+
+    def _on_settled(self, message: Message, error: BaseException | None) -> None:
+        """Act on a settled delivery; runs once, on whichever thread settled it."""
+        deadline = self._deadlines.pop(message, None)
+        if deadline is not None:
+            deadline.cancel()
+        replacement: Message | None = None
+        try:
+            if isinstance(error, _Released):
+                self.stats.released += 1
+                self.broker.nack(message, 0.0)
+                return
+            verdict = self.retry.decide(message, error)
+            if verdict.action is Action.ACK:
+                self.broker.ack(message)
+                self.stats.acked += 1
+                return
+            assert error is not None
+            self._log_failure(message, error, verdict.action, verdict.delay)
+            if verdict.action is Action.RETRY_LOCALLY:
+                replacement = message.copy_for_retry(local=True)
+                self.stats.retried_locally += 1
+            elif verdict.action is Action.REDELIVER:
+                self._record_failure(message, error)
+                self.stats.redelivered += 1
+                if self._gate is not None:
+                    # Ordered: the retry stays here and keeps its key; going back to the
+                    # broker would let later messages of the key overtake it.
+                    replacement = message.copy_for_retry(attempt=message.attempt + 1)
+                    replacement.headers[h.ATTEMPT] = str(replacement.attempt)
+                else:
+                    self.broker.nack(message, verdict.delay)
+            else:
+                self._dead_letter(message, error, verdict.reason)
+        except Exception:
+            self.stats.broker_errors += 1
+            log.exception(
+                "%s: settling message %s failed; the broker will redeliver it",
+                self.name, message.id,
+            )
+        finally:
+            self._release(message, replacement, 0.0 if replacement is None else verdict.delay)
+
+    def _release(self, message: Message, replacement: Message | None, delay: float) -> None:
+        with self._cond:
+            self._in_flight.discard(message)
+            if replacement is not None and self._state is _State.STOPPED:
+                self.broker.nack(message, 0.0)  # stopped meanwhile: give it back
+                replacement = None
+            if replacement is not None:
+                replacement.bind(self._on_settled)
+                self._in_flight.add(replacement)
+                if self._gate is not None:
+                    self._gate.transfer(message, replacement)
+                if delay > 0:
+                    self._retry_timers[replacement] = self._wheel.schedule(
+                        delay, partial(self._requeue, replacement)
+                    )
+                else:
+                    self._ready.appendleft(replacement)
+            elif self._gate is not None:
+                following = self._gate.release(message)
+                if following is not None:
+                    self._ready.appendleft(following)
+            self._settled_count += 1
+            self._cond.notify_all()
+
+    def _requeue(self, message: Message) -> None:
+        with self._cond:
+            if self._retry_timers.pop(message, None) is None:
+                return
+            self._ready.appendleft(message)
+            self._cond.notify_all()
+
+    def _record_failure(self, message: Message, error: BaseException) -> None:
+        """Keep the failure history in headers so it survives redelivery."""
+        now = repr(self.broker.now())
+        message.headers.setdefault(h.FIRST_FAILED_AT, now)
+        message.headers[h.LAST_FAILED_AT] = now
+        message.headers[h.ERROR_TYPE] = type(error).__name__
+        message.headers[h.ERROR_MESSAGE] = str(error)[:500]
+
+    def _dead_letter(self, message: Message, error: BaseException, reason: str) -> None:
+        record = DeadLetter.from_error(
+            message, error, now=self.broker.now(), reason=reason, group=self.group
+        )
+        log.error(
+            "%s: message %s (key %r, topic %r) dead-lettered after %d attempt(s): %s",
+            self.name, message.id, message.key, message.topic, message.attempt, reason,
+        )
+        if self.dead_letters is not None:
+            self.dead_letters.put(record)
+            self.broker.ack(message)
+        else:
+            self.broker.dead_letter(message, record)
+        self.stats.dead_lettered += 1
+
+    def _log_failure(self, message: Message, error: BaseException, action: Action,
+                     delay: float) -> None:
+        self.stats.failed += 1
+        if isinstance(error, NeedRetry):
+            log.debug("%s: message %s asked for a retry (%s)", self.name, message.id, error)
+        elif action is not Action.DEAD_LETTER:
+            log.warning(
+                "%s: handler %s failed on message %s (attempt %d): %r; %s in %.3gs",
+                self.name, self.handler_name, message.id, message.attempt, error,
+                action.value, delay,
+            )
+
+
+class _KeyGate:
+    """Ordered mode: one message per key at a time, in delivery order.
+
+    A key is owned by one message from the moment it is admitted until it is finally
+    settled (acked, dead-lettered or handed back); its retry copies inherit the
+    ownership. Messages of an owned key wait in that key's backlog, in order.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: dict[object, Message] = {}
+        self._backlog: dict[object, deque[Message]] = {}
+
+    @staticmethod
+    def _key(message: Message) -> object:
+        return message.key if message.key is not None else ("id", message.id)
+
+    def admit(self, message: Message) -> bool:
+        """True if ``message`` may run now; otherwise it joins its key's backlog."""
+        key = self._key(message)
+        with self._lock:
+            owner = self._owner.get(key)
+            if owner is None:
+                self._owner[key] = message
+                return True
+            if owner is message:
+                return True
+            self._backlog.setdefault(key, deque()).append(message)
+            return False
+
+    def transfer(self, old: Message, new: Message) -> None:
+        """A retry copy takes over its key from the delivery it replaces."""
+        key = self._key(old)
+        with self._lock:
+            if self._owner.get(key) is old:
+                self._owner[key] = new
+
+    def release(self, message: Message) -> Message | None:
+        """``message`` is finally settled: the next message of its key, now admitted."""
+        key = self._key(message)
+        with self._lock:
+            if self._owner.get(key) is not message:
+                return None
+            backlog = self._backlog.get(key)
+            if not backlog:
+                del self._owner[key]
+                return None
+            following = backlog.popleft()
+            if not backlog:
+                del self._backlog[key]
+            self._owner[key] = following
+            return following
