@@ -42,7 +42,7 @@ log = logging.getLogger("msgpatterns.consumer")
 Handler = Callable[[Message], Any]
 
 
-class _Released(Exception):  # noqa: N818
+class _Released(Exception):
     """Internal: the consumer is stopping and hands the message back unprocessed."""
 
 
@@ -141,6 +141,7 @@ class Consumer:
         self._retry_timers: dict[Message, TimerHandle] = {}
         self._deadlines: dict[Message, TimerHandle] = {}
         self._fetching = False
+        self._waiting = 0
         self._state = _State.NEW
         self._until_idle = False
         self._settled_count = 0
@@ -179,13 +180,13 @@ class Consumer:
                 self._state = _State.STOPPED
                 return True
             self._state = _State.STOPPING
-            self._cond.notify_all()
+            self._wake()
             give_up = None if limit is None else time.monotonic() + limit
             while self._in_flight:
                 left = None if give_up is None else give_up - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._cond.wait(left)
+                self._wait(left)
             leftovers = list(self._in_flight)
             self._ready.clear()
         for message in leftovers:
@@ -195,17 +196,17 @@ class Consumer:
             message.expire(_Released("consumer stopped"))
         with self._cond:
             self._state = _State.STOPPED
-            self._cond.notify_all()
+            self._wake()
             threads, self._threads = self._threads, []
         for thread in threads:
             if thread is not threading.current_thread():
-                thread.join(timeout=1.0)
+                thread.join(timeout=0.2)
         self._stop_requested.set()
         return not leftovers
 
     def run(self) -> None:
         """Consume until SIGTERM, SIGINT or :meth:`stop`; then shut down gracefully."""
-        restore: list[tuple[int, Any]] = []
+        restore: list[tuple[signal.Signals, Any]] = []
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 restore.append((sig, signal.getsignal(sig)))
@@ -251,6 +252,19 @@ class Consumer:
 
     # -- worker loop ----------------------------------------------------------------
 
+    def _wait(self, timeout: float | None = None) -> None:
+        """Wait on the condition (lock held), counted so that wakes are skipped when
+        nobody waits: settlement is the hot path."""
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
+
+    def _wake(self) -> None:
+        if self._waiting:
+            self._cond.notify_all()
+
     def _work(self) -> None:
         while True:
             message = self._next()
@@ -271,11 +285,11 @@ class Consumer:
                     if self._state is _State.STOPPING:
                         if not self._in_flight:
                             return None
-                        self._cond.wait()
+                        self._wait()
                         continue
                     free = self.max_in_flight - len(self._in_flight)
                     if self._fetching or free <= 0:
-                        self._cond.wait(self.poll_timeout)
+                        self._wait(self.poll_timeout)
                         continue
                     self._fetching = True
                     until_idle = self._until_idle
@@ -290,17 +304,17 @@ class Consumer:
                     self.stats.fetched += len(messages)
                     self._in_flight.update(messages)
                     self._ready.extend(messages[1:])
-                    self._cond.notify_all()
+                    self._wake()
                     return messages[0]
                 if until_idle and self._state is _State.RUNNING:
                     if self._in_flight or self._ready:
                         if self._settled_count == generation:
-                            self._cond.wait(self.poll_timeout)
+                            self._wait(self.poll_timeout)
                         continue
                     if not self._advance_virtual_time():
                         self._finish_idle()
                         return None
-                self._cond.notify_all()
+                self._wake()
 
     def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
@@ -328,7 +342,7 @@ class Consumer:
     def _finish_idle(self) -> None:
         self._state = _State.STOPPING
         self._stop_requested.set()
-        self._cond.notify_all()
+        self._wake()
 
     # -- one delivery ---------------------------------------------------------------
 
@@ -423,14 +437,14 @@ class Consumer:
                 if following is not None:
                     self._ready.appendleft(following)
             self._settled_count += 1
-            self._cond.notify_all()
+            self._wake()
 
     def _requeue(self, message: Message) -> None:
         with self._cond:
             if self._retry_timers.pop(message, None) is None:
                 return
             self._ready.appendleft(message)
-            self._cond.notify_all()
+            self._wake()
 
     def _record_failure(self, message: Message, error: BaseException) -> None:
         """Keep the failure history in headers so it survives redelivery."""

@@ -45,7 +45,7 @@ class MsgPatternsError(Exception):
     """Base class of every error msgpatterns raises itself."""
 
 
-class NeedRetry(MsgPatternsError):  # noqa: N818 - the name is part of the public contract
+class NeedRetry(MsgPatternsError):
     """Ask for this message to be processed again.
 
     Without ``delay`` the runtime retries in-process first (``message.local_retries`` is
@@ -73,7 +73,7 @@ class InProgress(NeedRetry):
     """
 
 
-class Reject(MsgPatternsError):  # noqa: N818 - the name is part of the public contract
+class Reject(MsgPatternsError):
     """The message can never succeed: send it straight to the dead-letter store."""
 
     def __init__(self, reason: str = "") -> None:

@@ -64,7 +64,7 @@ class Message:
         self,
         body: Any,
         *,
-        id: str | None = None,  # noqa: A002 - the public name is "id"
+        id: str | None = None,
         key: str | None = None,
         topic: str = "",
         headers: Mapping[str, str] | None = None,

@@ -48,7 +48,7 @@ class Backoff(wait_base):
     def exponential(
         initial: float | timedelta = 1.0,
         factor: float = 2.0,
-        max: float | timedelta = 7200.0,  # noqa: A002 - public keyword name
+        max: float | timedelta = 7200.0,
         jitter: bool = True,
     ) -> Backoff:
         """``initial * factor**(attempt-1)`` capped at ``max``; with ``jitter`` (the

@@ -182,7 +182,7 @@ class InMemoryBroker:
         *,
         key: str | None = None,
         headers: Mapping[str, str] | None = None,
-        id: str | None = None,  # noqa: A002
+        id: str | None = None,
     ) -> str:
         """Publish a message to every group of ``topic``; returns its id."""
         with self._cond:
@@ -264,7 +264,6 @@ class InMemoryBroker:
             self.stats.acks += 1
             self._acked.append(message)
             self._event("ack", message.id, receipt.group, message.attempt)
-            self._cond.notify_all()
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         receipt = self._receipt(message)

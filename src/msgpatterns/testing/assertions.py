@@ -55,7 +55,8 @@ def assert_dead_lettered(
     if reason is not None:
         wrong = [d for d in dead if reason not in d.reason]
         if wrong:
-            raise AssertionError(f"dead letter reasons lack {reason!r}: {[d.reason for d in wrong]}")
+            reasons = [d.reason for d in wrong]
+            raise AssertionError(f"dead letter reasons lack {reason!r}: {reasons}")
     return dead
 
 
