@@ -157,25 +157,29 @@ def test_expire_loses_to_an_earlier_ack() -> None:
     assert message.succeeded
 
 
+def _race_to_settle(errors: list[BaseException | None]) -> list[BaseException | None]:
+    outcomes: list[BaseException | None] = []
+    message = Message(b"x")
+    message.bind(lambda m, error: outcomes.append(error))
+    barrier = threading.Barrier(len(errors))
+
+    def settle(error: BaseException | None) -> None:
+        barrier.wait()
+        message.ack(error)
+
+    threads = [threading.Thread(target=settle, args=(e,)) for e in errors]
+    logging.disable(logging.WARNING)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        logging.disable(logging.NOTSET)
+    return outcomes
+
+
 def test_settlement_is_exactly_once_under_racing_threads() -> None:
     for _ in range(50):
-        outcomes: list[BaseException | None] = []
-        message = Message(b"x")
-        message.bind(lambda m, error: outcomes.append(error))
-        barrier = threading.Barrier(4)
-
-        def settle(error: BaseException | None) -> None:
-            barrier.wait()
-            message.ack(error)
-
-        errors = [None, ValueError("a"), ValueError("b"), None]
-        threads = [threading.Thread(target=settle, args=(e,)) for e in errors]
-        logging.disable(logging.WARNING)
-        try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            logging.disable(logging.NOTSET)
+        outcomes = _race_to_settle([None, ValueError("a"), ValueError("b"), None])
         assert len(outcomes) == 1

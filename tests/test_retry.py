@@ -3,6 +3,7 @@ attempts then a full dead letter, and a durable attempt count."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -126,7 +127,7 @@ def test_rocketmq_schedule_to_dead_letter_on_virtual_time() -> None:
     nacks = [e for e in broker.history if e.kind == "nack"]
     assert [e.delay for e in nacks] == ROCKETMQ == list(ROCKETMQ_LEVELS)
     deliveries = [e.at for e in broker.history if e.kind == "deliver"]
-    gaps = [b - a for a, b in zip(deliveries, deliveries[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(deliveries)]
     for gap, delay in zip(gaps, ROCKETMQ, strict=True):
         assert delay <= gap < delay + 1.0  # never early; late only by processing time
     assert broker.now() - start >= sum(ROCKETMQ)  # the clock really jumped over 2h+
