@@ -1,0 +1,113 @@
+"""MultipleQueueFlusher: one Flusher queue per channel (shard, table), one channel per batch."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Generic, TypeVar
+
+from msgpatterns.batching.core import BatchQueue, Channel, ErrorHook
+from msgpatterns.batching.flusher import interval_seconds
+from msgpatterns.errors import ConfigurationError
+
+__all__ = ["Group", "MultipleQueueFlusher", "RouteError"]
+
+T = TypeVar("T")
+
+
+class RouteError(ConfigurationError):
+    """``route(item)`` did not return a channel index in ``range(channels)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Group(Generic[T]):
+    """A batch of one channel: ``items`` all went to channel ``index``."""
+
+    index: int
+    items: list[T]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self.items)
+
+
+class MultipleQueueFlusher(BatchQueue[T, Group[T]]):
+    """A :class:`~msgpatterns.batching.Flusher` per channel sharing one pool of workers.
+
+    ``route(item)`` picks the channel (a shard, a table); the processor receives a
+    :class:`Group` whose items all come from that one channel. A channel's batch goes
+    out when it has ``batch_size`` items or its oldest item has waited
+    ``flush_interval``; when several are due, the one with the oldest item goes first.
+
+    Args:
+        name: prefix of the worker thread names (``name-0``, ``name-1``, ...).
+        channels: number of channels; ``route`` returns ``0 .. channels - 1``.
+        queue_size: capacity of **each** channel: most items accepted and not processed
+            yet (queued or running) per channel, so a full hot channel never blocks the
+            others. The whole helper holds at most ``channels * queue_size`` items.
+        batch_size: items per processor call (fewer when the interval runs out).
+        flush_interval: longest an item waits for its batch to fill (seconds or
+            ``timedelta``).
+        threads: worker threads shared by all channels.
+        route: ``route(item) -> int``; an index outside ``range(channels)`` makes
+            ``add`` raise :class:`RouteError` and the item is not accepted.
+        processor: ``processor(group)``; an exception is logged, counted, passed to
+            ``on_error`` and never stops the worker.
+        ack_messages: ack the :class:`~msgpatterns.Message` items of each group after
+            the processor returns, or with its exception when it raises.
+        on_error: ``on_error(exception, group)`` after a processor call raised,
+            before the messages are acked with the exception.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        channels: int,
+        queue_size: int,
+        batch_size: int,
+        flush_interval: float | timedelta,
+        threads: int,
+        route: Callable[[T], int],
+        processor: Callable[[Group[T]], object],
+        ack_messages: bool = False,
+        *,
+        on_error: ErrorHook[Group[T]] | None = None,
+    ) -> None:
+        self.flush_interval = interval_seconds(flush_interval)
+        self._route = route
+        super().__init__(
+            name,
+            processor=processor,
+            batch_size=batch_size,
+            capacity=queue_size,
+            threads=threads,
+            max_wait=self.flush_interval,
+            channels=channels,
+            ack_messages=ack_messages,
+            on_error=on_error,
+        )
+
+    @property
+    def channels(self) -> int:
+        """The number of channels."""
+        return len(self._channels)
+
+    def _channel_of(self, item: T) -> Channel[T]:
+        chosen = self._route(item)
+        try:
+            index = operator.index(chosen)
+        except TypeError:
+            raise RouteError(f"{self.name}: route returned {chosen!r}, not an int") from None
+        if not 0 <= index < len(self._channels):
+            raise RouteError(
+                f"{self.name}: route returned channel {index}, "
+                f"outside 0..{len(self._channels) - 1}"
+            )
+        return self._channels[index]
+
+    def _batch(self, index: int, items: list[T]) -> Group[T]:
+        return Group(index, items)
