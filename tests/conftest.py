@@ -15,6 +15,8 @@ import pytest
 
 from msgpatterns.testing import services
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture
 def unique() -> str:

@@ -13,10 +13,13 @@ __all__ = ["EffectLog", "assert_all_acked", "assert_dead_lettered", "assert_no_d
 
 
 def assert_all_acked(broker: InMemoryBroker, *, allow_dead: bool = False) -> None:
-    """Every published message was acked, none is pending, none is dead, and no delivery
-    was acked twice."""
-    acked_ids = {m.id for m in broker.acked}
-    missing = [m for m in broker.published if m.id not in acked_ids]
+    """Every published message was acked, none is pending, none is dead (unless
+    ``allow_dead``: then a dead letter counts as settled), and no delivery was acked
+    twice."""
+    settled = {m.id for m in broker.acked}
+    if allow_dead:
+        settled |= {d.id for d in broker.dead_letters}
+    missing = [m for m in broker.published if m.id not in settled]
     problems = []
     if missing:
         problems.append(f"{len(missing)} message(s) never acked, e.g. {missing[:3]}")
