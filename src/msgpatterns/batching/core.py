@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from time import monotonic
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from msgpatterns.batching.acks import settle_messages
 from msgpatterns.errors import ConfigurationError, QueueClosed, seconds
@@ -303,7 +303,7 @@ class BatchQueue(Generic[T, B]):
                 depth=sum(channel.held for channel in self._channels),
             )
 
-    def __enter__(self) -> BatchQueue[T, B]:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
