@@ -1,0 +1,126 @@
+"""Dialect-specific statements behind :class:`~msgpatterns.ordering.VersionGuard`.
+
+Every statement is SQLAlchemy Core with bound parameters: keys and values from
+messages are data, never SQL.
+
+* PostgreSQL and SQLite: ``INSERT ... ON CONFLICT (key) DO UPDATE SET ... WHERE
+  stored.version IS NULL OR stored.version < excluded.version``.
+* MySQL and MariaDB: ``INSERT ... ON DUPLICATE KEY UPDATE col = CASE WHEN <newer> THEN
+  <incoming> ELSE col END, ..., version = CASE ... END``. MySQL evaluates the
+  assignments left to right and later ones see earlier results, so the version column
+  is assigned last: every other column still compares against the stored version.
+  SQLAlchemy renders the incoming row as ``VALUES(col)`` on MariaDB and as a row alias
+  on MySQL 8.0.20+.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from msgpatterns._extras import require
+from msgpatterns.errors import ConfigurationError
+
+require("sqlalchemy", "sql")
+
+from sqlalchemy import (  # noqa: E402
+    Column,
+    ColumnElement,
+    Connection,
+    Table,
+    and_,
+    case,
+    insert,
+    or_,
+    select,
+)
+from sqlalchemy.dialects import mysql, postgresql, sqlite  # noqa: E402
+from sqlalchemy.exc import IntegrityError  # noqa: E402
+from sqlalchemy.sql.dml import Insert  # noqa: E402
+
+__all__ = ["Family", "family", "insert_if_absent", "latest_wins_insert", "newer"]
+
+Family = Literal["postgresql", "sqlite", "mysql"]
+
+# MySQL/MariaDB error numbers of a duplicate primary or unique key.
+_DUPLICATE_KEY = {1062, 1586}
+
+
+def family(conn: Connection) -> Family:
+    """The statement family for ``conn``'s database."""
+    name = conn.dialect.name
+    if name in ("mysql", "mariadb"):
+        return "mysql"
+    if name == "postgresql":
+        return "postgresql"
+    if name == "sqlite":
+        return "sqlite"
+    raise ConfigurationError(
+        f"VersionGuard supports PostgreSQL, SQLite, MySQL and MariaDB, not {name!r}"
+    )
+
+
+def newer(stored: ColumnElement[Any], incoming: ColumnElement[Any]) -> ColumnElement[bool]:
+    """True where ``incoming`` should replace ``stored`` (a NULL version is oldest)."""
+    return or_(stored.is_(None), stored < incoming)
+
+
+def latest_wins_insert(
+    table: Table,
+    keys: Sequence[Column[Any]],
+    version: Column[Any],
+    rows: Sequence[Mapping[str, Any]],
+    dialect: Family,
+) -> Insert:
+    """One INSERT of ``rows`` where an existing row is overwritten only by a newer version.
+
+    ``rows`` share one set of column names and hold distinct keys.
+    """
+    names = set(rows[0])
+    skip = {c.key for c in keys} | {version.key}
+    values = [c for c in table.columns if c.key in names and c.key not in skip]
+    if dialect == "mysql":
+        stmt = mysql.insert(table).values(list(rows))
+        wins = newer(version, stmt.inserted[version.key])
+        assignments: list[tuple[str, Any]] = [
+            (c.key, case((wins, stmt.inserted[c.key]), else_=c)) for c in values
+        ]
+        assignments.append((version.key, case((wins, stmt.inserted[version.key]), else_=version)))
+        return stmt.on_duplicate_key_update(assignments)  # a list keeps this order
+    upsert = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
+    upsert = upsert.values(list(rows))
+    return upsert.on_conflict_do_update(
+        index_elements=list(keys),
+        set_={c.key: upsert.excluded[c.key] for c in [*values, version]},
+        where=newer(version, upsert.excluded[version.key]),
+    )
+
+
+def insert_if_absent(
+    conn: Connection,
+    table: Table,
+    keys: Sequence[Column[Any]],
+    row: Mapping[str, Any],
+    dialect: Family,
+) -> bool:
+    """Insert ``row`` unless a row with its key exists; True if it inserted.
+
+    Any other integrity error (a NOT NULL column, another unique key) propagates.
+    """
+    if dialect != "mysql":
+        stmt = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
+        done = conn.execute(stmt.values(dict(row)).on_conflict_do_nothing(index_elements=keys))
+        return done.rowcount == 1
+    # MySQL rolls back only the failed statement, never the transaction; and unlike
+    # INSERT IGNORE this does not turn other errors into warnings.
+    try:
+        conn.execute(insert(table).values(dict(row)))
+    except IntegrityError as exc:
+        code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
+        if code not in _DUPLICATE_KEY:
+            raise
+        match = and_(*(c == row[c.key] for c in keys))
+        if conn.execute(select(keys[0]).where(match)).first() is None:
+            raise  # a different unique key clashed
+        return False
+    return True
