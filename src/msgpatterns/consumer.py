@@ -139,6 +139,7 @@ class Consumer:
         self._ready: deque[Message] = deque()
         self._in_flight: set[Message] = set()
         self._retry_timers: dict[Message, TimerHandle] = {}
+        self._held: dict[Message, float] = {}  # ordered delayed retries: due (broker clock)
         self._deadlines: dict[Message, TimerHandle] = {}
         self._fetching = False
         self._waiting = 0
@@ -148,7 +149,7 @@ class Consumer:
         self._threads: list[threading.Thread] = []
         self._stop_requested = threading.Event()
         self._wheel = TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
-        self._gate = _KeyGate() if ordered else None
+        self._gate: _KeyGate | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -161,6 +162,7 @@ class Consumer:
                 raise RuntimeError("the consumer is stopping")
             self._state = _State.RUNNING
             self._stop_requested.clear()
+            self._gate = _KeyGate() if self.ordered else None
             self._threads = [
                 threading.Thread(target=self._work, name=f"{self.name}-worker-{i}", daemon=True)
                 for i in range(self.workers)
@@ -189,6 +191,7 @@ class Consumer:
                 self._wait(left)
             leftovers = list(self._in_flight)
             self._ready.clear()
+            self._held.clear()
         for message in leftovers:
             timer = self._retry_timers.pop(message, None)
             if timer is not None:
@@ -288,8 +291,12 @@ class Consumer:
                         self._wait()
                         continue
                     free = self.max_in_flight - len(self._in_flight)
-                    if self._fetching or free <= 0:
+                    if self._fetching:
                         self._wait(self.poll_timeout)
+                        continue
+                    if free <= 0:
+                        if not (self._until_idle and self._nothing_active() and self._jump()):
+                            self._wait(self.poll_timeout)
                         continue
                     self._fetching = True
                     until_idle = self._until_idle
@@ -306,15 +313,49 @@ class Consumer:
                     self._ready.extend(messages[1:])
                     self._wake()
                     return messages[0]
-                if until_idle and self._state is _State.RUNNING:
-                    if self._in_flight or self._ready:
-                        if self._settled_count == generation:
-                            self._wait(self.poll_timeout)
-                        continue
-                    if not self._advance_virtual_time():
+                self._wake()
+                if not until_idle or self._state is not _State.RUNNING or self._ready:
+                    continue
+                if not self._nothing_active():
+                    if self._settled_count == generation:
+                        self._wait(self.poll_timeout)
+                elif not self._jump():
+                    if self._in_flight:  # holds due later in real time
+                        self._wait(self.poll_timeout)
+                    else:
                         self._finish_idle()
                         return None
-                self._wake()
+
+    def _nothing_active(self) -> bool:
+        """Lock held: every in-flight message is parked behind its key or held for a
+        delayed retry, so no handler or ack can change what becomes due."""
+        parked = self._gate.parked if self._gate is not None else 0
+        return len(self._in_flight) == parked + len(self._held)
+
+    def _jump(self) -> bool:
+        """Lock held, nothing active: move virtual time to the next due delivery or held
+        retry and release the holds now due. False when nothing could move."""
+        virtual = self.broker if isinstance(self.broker, SupportsVirtualTime) else None
+        due = virtual.next_due(self.topics, self.group) if virtual is not None else None
+        if self._held:
+            first_hold = min(self._held.values())
+            due = first_hold if due is None else min(due, first_hold)
+        if due is None:
+            return False
+        if virtual is not None:
+            virtual.advance_to(due)
+        return self._release_due_holds() or virtual is not None
+
+    def _release_due_holds(self) -> bool:
+        now = self.broker.now()
+        due = [m for m, at in self._held.items() if at <= now]
+        for message in due:
+            del self._held[message]
+            timer = self._retry_timers.pop(message, None)
+            if timer is not None:
+                timer.cancel()
+            self._ready.append(message)
+        return bool(due)
 
     def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
@@ -327,17 +368,6 @@ class Consumer:
             log.exception("%s: fetch failed; retrying", self.name)
             time.sleep(min(self.poll_timeout, 1.0))
             return []
-
-    def _advance_virtual_time(self) -> bool:
-        """Jump the broker clock to its next due delivery; False when there is none."""
-        broker = self.broker
-        if not isinstance(broker, SupportsVirtualTime):
-            return False
-        due = broker.next_due(self.topics, self.group)
-        if due is None:
-            return False
-        broker.advance_to(due)
-        return True
 
     def _finish_idle(self) -> None:
         self._state = _State.STOPPING
@@ -378,7 +408,9 @@ class Consumer:
         deadline = self._deadlines.pop(message, None)
         if deadline is not None:
             deadline.cancel()
-        replacement: Message | None = None
+        retry: Message | None = None
+        delay = 0.0
+        hold = False
         try:
             if isinstance(error, _Released):
                 self.stats.released += 1
@@ -391,8 +423,9 @@ class Consumer:
                 return
             assert error is not None
             self._log_failure(message, error, verdict.action, verdict.delay)
+            delay = verdict.delay
             if verdict.action is Action.RETRY_LOCALLY:
-                replacement = message.copy_for_retry(local=True)
+                retry = message.copy_for_retry(local=True)
                 self.stats.retried_locally += 1
             elif verdict.action is Action.REDELIVER:
                 self._record_failure(message, error)
@@ -400,10 +433,11 @@ class Consumer:
                 if self._gate is not None:
                     # Ordered: the retry stays here and keeps its key; going back to the
                     # broker would let later messages of the key overtake it.
-                    replacement = message.copy_for_retry(attempt=message.attempt + 1)
-                    replacement.headers[h.ATTEMPT] = str(replacement.attempt)
+                    retry = message.copy_for_retry(attempt=message.attempt + 1)
+                    retry.headers[h.ATTEMPT] = str(retry.attempt)
+                    hold = True
                 else:
-                    self.broker.nack(message, verdict.delay)
+                    self.broker.nack(message, delay)
             else:
                 self._dead_letter(message, error, verdict.reason)
         except Exception:
@@ -413,25 +447,31 @@ class Consumer:
                 self.name, message.id,
             )
         finally:
-            self._release(message, replacement, 0.0 if replacement is None else verdict.delay)
+            self._release(message, retry, delay, hold)
 
-    def _release(self, message: Message, replacement: Message | None, delay: float) -> None:
+    def _release(self, message: Message, retry: Message | None, delay: float,
+                 hold: bool) -> None:
+        """Lock-protected bookkeeping after a settlement: free the slot, or put the
+        retry copy in its place (now, after ``delay``, or held until due)."""
         with self._cond:
             self._in_flight.discard(message)
-            if replacement is not None and self._state is _State.STOPPED:
+            if retry is not None and self._state is _State.STOPPED:
                 self.broker.nack(message, 0.0)  # stopped meanwhile: give it back
-                replacement = None
-            if replacement is not None:
-                replacement.bind(self._on_settled)
-                self._in_flight.add(replacement)
+                retry = None
+            if retry is not None:
+                retry.bind(self._on_settled)
+                self._in_flight.add(retry)
                 if self._gate is not None:
-                    self._gate.transfer(message, replacement)
+                    self._gate.transfer(message, retry)
+                if hold:
+                    self._held[retry] = self.broker.now() + delay
                 if delay > 0:
-                    self._retry_timers[replacement] = self._wheel.schedule(
-                        delay, partial(self._requeue, replacement)
+                    self._retry_timers[retry] = self._wheel.schedule(
+                        delay, partial(self._requeue, retry)
                     )
                 else:
-                    self._ready.appendleft(replacement)
+                    self._held.pop(retry, None)
+                    self._ready.appendleft(retry)
             elif self._gate is not None:
                 following = self._gate.release(message)
                 if following is not None:
@@ -443,6 +483,7 @@ class Consumer:
         with self._cond:
             if self._retry_timers.pop(message, None) is None:
                 return
+            self._held.pop(message, None)
             self._ready.appendleft(message)
             self._wake()
 
@@ -494,6 +535,7 @@ class _KeyGate:
         self._lock = threading.Lock()
         self._owner: dict[object, Message] = {}
         self._backlog: dict[object, deque[Message]] = {}
+        self.parked = 0  # messages waiting in backlogs
 
     @staticmethod
     def _key(message: Message) -> object:
@@ -510,6 +552,7 @@ class _KeyGate:
             if owner is message:
                 return True
             self._backlog.setdefault(key, deque()).append(message)
+            self.parked += 1
             return False
 
     def transfer(self, old: Message, new: Message) -> None:
@@ -530,6 +573,7 @@ class _KeyGate:
                 del self._owner[key]
                 return None
             following = backlog.popleft()
+            self.parked -= 1
             if not backlog:
                 del self._backlog[key]
             self._owner[key] = following
