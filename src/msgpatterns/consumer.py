@@ -32,6 +32,7 @@ from msgpatterns.brokers.base import Broker, SupportsVirtualTime
 from msgpatterns.deadletter import DeadLetter, DeadLetterStore
 from msgpatterns.errors import AckTimeout, MalformedMessage, NeedRetry, seconds
 from msgpatterns.message import Message
+from msgpatterns.ordering.executor import OrderedExecutor
 from msgpatterns.retry import Action, RetryPolicy
 from msgpatterns.timer import TimerHandle, TimingWheel
 
@@ -150,6 +151,7 @@ class Consumer:
         self._stop_requested = threading.Event()
         self._wheel = TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
         self._gate: _KeyGate | None = None
+        self._lanes: OrderedExecutor | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -162,11 +164,21 @@ class Consumer:
                 raise RuntimeError("the consumer is stopping")
             self._state = _State.RUNNING
             self._stop_requested.clear()
-            self._gate = _KeyGate() if self.ordered else None
-            self._threads = [
-                threading.Thread(target=self._work, name=f"{self.name}-worker-{i}", daemon=True)
-                for i in range(self.workers)
-            ]
+            if self.ordered:
+                # One thread fetches and admits; handlers run on the executor's lanes,
+                # each key always on the lane that owns its logic partition.
+                self._gate = _KeyGate()
+                self._lanes = OrderedExecutor(self.workers, name=f"{self.name}-ordered")
+                self._threads = [
+                    threading.Thread(target=self._pump, name=f"{self.name}-pump", daemon=True)
+                ]
+            else:
+                self._threads = [
+                    threading.Thread(
+                        target=self._work, name=f"{self.name}-worker-{i}", daemon=True
+                    )
+                    for i in range(self.workers)
+                ]
         for thread in self._threads:
             thread.start()
 
@@ -273,8 +285,21 @@ class Consumer:
             message = self._next()
             if message is None:
                 return
-            if self._gate is None or self._gate.admit(message):
-                self._execute(message)
+            self._execute(message)
+
+    def _pump(self) -> None:
+        """Ordered mode: admit each message past its key's gate onto the key's lane."""
+        gate, lanes = self._gate, self._lanes
+        assert gate is not None and lanes is not None
+        try:
+            while True:
+                message = self._next()
+                if message is None:
+                    return
+                if gate.admit(message):
+                    lanes.submit(_KeyGate.key(message), self._execute, message)
+        finally:
+            lanes.shutdown(wait=False)
 
     def _next(self) -> Message | None:
         """The next message to run, fetching when needed; None when the worker exits."""
@@ -533,17 +558,18 @@ class _KeyGate:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._owner: dict[object, Message] = {}
-        self._backlog: dict[object, deque[Message]] = {}
+        self._owner: dict[str, Message] = {}
+        self._backlog: dict[str, deque[Message]] = {}
         self.parked = 0  # messages waiting in backlogs
 
     @staticmethod
-    def _key(message: Message) -> object:
-        return message.key if message.key is not None else ("id", message.id)
+    def key(message: Message) -> str:
+        """The ordering key: ``message.key``, or the message id when it has none."""
+        return message.key if message.key is not None else message.id
 
     def admit(self, message: Message) -> bool:
         """True if ``message`` may run now; otherwise it joins its key's backlog."""
-        key = self._key(message)
+        key = self.key(message)
         with self._lock:
             owner = self._owner.get(key)
             if owner is None:
@@ -557,14 +583,14 @@ class _KeyGate:
 
     def transfer(self, old: Message, new: Message) -> None:
         """A retry copy takes over its key from the delivery it replaces."""
-        key = self._key(old)
+        key = self.key(old)
         with self._lock:
             if self._owner.get(key) is old:
                 self._owner[key] = new
 
     def release(self, message: Message) -> Message | None:
         """``message`` is finally settled: the next message of its key, now admitted."""
-        key = self._key(message)
+        key = self.key(message)
         with self._lock:
             if self._owner.get(key) is not message:
                 return None
