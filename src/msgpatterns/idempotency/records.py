@@ -1,0 +1,97 @@
+"""What a checker tells its caller about one key: the :class:`Claim`, and the counters.
+
+A key is *absent*, ``PROCESSING`` (an owner token and a lease) or ``DONE`` (kept for
+the checker's ``ttl``). A claim reports which of these the caller found and, when it
+won the key, the owner token it must present to complete or release it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, fields
+
+__all__ = ["PROCESSING", "DONE", "Claim", "IdempotencyStats", "Record", "Status"]
+
+#: Stored state of a key whose owner is still working (its lease may expire).
+PROCESSING = "P"
+#: Stored state of a key whose effect is applied.
+DONE = "D"
+
+
+class Status(enum.Enum):
+    """The outcome of a claim."""
+
+    #: The caller owns the key: apply the effect, then ``complete`` (or ``release``).
+    CLAIMED = "claimed"
+    #: The effect was applied already: skip it and acknowledge the message.
+    DONE = "done"
+    #: Another owner holds a live lease: try again after ``Claim.remaining`` seconds.
+    IN_PROGRESS = "in_progress"
+    #: The key is known with a different payload fingerprint.
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The result of claiming one key.
+
+    Attributes:
+        key: the key as stored (``namespace:group:key``, or its SHA-256 form).
+        status: what the claim found, see :class:`Status`.
+        token: the owner token, set only when ``status`` is ``CLAIMED``.
+        remaining: seconds left on the other owner's lease (``IN_PROGRESS``), else 0.
+    """
+
+    key: str
+    status: Status
+    token: str | None = None
+    remaining: float = 0.0
+
+    @property
+    def claimed(self) -> bool:
+        """True when the caller owns the key."""
+        return self.status is Status.CLAIMED
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A key's stored state as a store observed it, right after a claim attempt.
+
+    ``remaining`` is the time left before the record expires (the lease for
+    ``PROCESSING``, the ttl for ``DONE``), in seconds.
+    """
+
+    state: str
+    token: str
+    fingerprint: str | None
+    remaining: float
+
+
+@dataclass
+class IdempotencyStats:
+    """Counters of what a checker did since it was created. Thread-safe."""
+
+    claimed: int = 0
+    completed: int = 0
+    released: int = 0
+    duplicates: int = 0
+    in_progress: int = 0
+    conflicts: int = 0
+    lost_leases: int = 0
+    store_errors: int = 0
+    unavailable: int = 0
+    processed_without_dedup: int = 0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, name: str, count: int = 1) -> None:
+        """Add ``count`` to counter ``name``."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + count)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict."""
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self)}

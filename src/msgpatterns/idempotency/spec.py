@@ -1,0 +1,72 @@
+"""Checker specs: how a checker travels to another process (a Spark executor, a worker).
+
+A live checker holds connections, which cannot be pickled. ``checker.spec()`` gives a
+:class:`CheckerSpec` - a URL and plain options - and :func:`checker_from_spec` builds
+an equivalent checker from it in the receiving process::
+
+    spec = RedisChecker("redis://cache:6379/0", namespace="orders").spec()
+    ...                                   # pickled to an executor
+    checker = checker_from_spec(spec)     # same store, same namespace, ttl, lease
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from msgpatterns.errors import ConfigurationError
+from msgpatterns.idempotency.policy import StorePolicy
+
+if TYPE_CHECKING:
+    from msgpatterns.idempotency.base import Checker
+
+__all__ = ["CheckerSpec", "checker_from_spec", "checker_from_url"]
+
+_KINDS = {
+    "redis": ("msgpatterns.idempotency.redis_store", "RedisChecker"),
+    "sql": ("msgpatterns.idempotency.sql", "SqlChecker"),
+    "transactional_sql": ("msgpatterns.idempotency.transactional", "TransactionalSqlChecker"),
+}
+
+
+@dataclass(frozen=True)
+class CheckerSpec:
+    """A picklable description of a checker: its kind, its store URL (with credentials)
+    and its options (namespace, ttl, lease, table, store policy...)."""
+
+    kind: str
+    url: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Checker:
+        """A new checker for this spec (same as :func:`checker_from_spec`)."""
+        return checker_from_spec(self)
+
+
+def policy_options(policy: StorePolicy) -> dict[str, Any]:
+    """A store policy as plain spec options."""
+    return asdict(policy)
+
+
+def checker_from_spec(spec: CheckerSpec) -> Checker:
+    """Build the checker ``spec`` describes, with fresh connections."""
+    import importlib
+
+    try:
+        module, name = _KINDS[spec.kind]
+    except KeyError:
+        raise ConfigurationError(f"unknown checker kind {spec.kind!r}") from None
+    cls = getattr(importlib.import_module(module), name)
+    options = dict(spec.options)
+    if isinstance(options.get("policy"), Mapping):
+        options["policy"] = StorePolicy(**options["policy"])
+    checker: Checker = cls(spec.url, **options)
+    return checker
+
+
+def checker_from_url(url: str, **options: Any) -> Checker:
+    """A :class:`RedisChecker` for a ``redis://``, ``rediss://`` or ``unix://`` URL, else
+    a :class:`SqlChecker` for an SQLAlchemy URL."""
+    kind = "redis" if url.split(":", 1)[0] in ("redis", "rediss", "unix") else "sql"
+    return checker_from_spec(CheckerSpec(kind, url, options))
