@@ -1,0 +1,177 @@
+"""Per-broker harnesses for the conformance suite and the adapter tests.
+
+A harness hands out broker objects for one topic and group on one server (a new object
+is a restarted consumer), simulates a consumer's death, and reads the dead letters.
+Service harnesses skip (or fail, under MSGPATTERNS_REQUIRE_SERVICES=1) when their server
+or client library is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from msgpatterns.brokers.base import Broker
+from msgpatterns.brokers.memory import InMemoryBroker
+from msgpatterns.deadletter import DeadLetter
+from msgpatterns.message import Message
+from msgpatterns.testing import services
+
+
+def eventually(predicate: Callable[[], Any], timeout: float = 15.0, every: float = 0.02,
+               message: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
+    give_up = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > give_up:
+            raise AssertionError(f"{message} not reached within {timeout}s")
+        time.sleep(every)
+
+
+def drain(broker: Broker, topic: str, group: str, *, count: int | None = None,
+          within: float = 10.0, batch: int = 10) -> list[Message]:
+    """Fetch until ``count`` deliveries arrived (or, with ``count=None``, for the whole
+    ``within`` seconds); returns what arrived."""
+    got: list[Message] = []
+    give_up = time.monotonic() + within
+    while count is None or len(got) < count:
+        left = give_up - time.monotonic()
+        if left <= 0:
+            break
+        want = batch if count is None else min(batch, count - len(got))
+        got.extend(broker.fetch([topic], group, max_messages=want, timeout=min(left, 0.1)))
+    return got
+
+
+def require_library(module: str, what: str) -> None:
+    """Skip when ``module`` cannot be imported (fail under MSGPATTERNS_REQUIRE_SERVICES)."""
+    try:
+        __import__(module)
+    except ImportError as exc:
+        reason = f"{what} needs {module}: {exc}"
+        if services.services_required():
+            pytest.fail(f"MSGPATTERNS_REQUIRE_SERVICES=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+class Harness:
+    """One broker kind, one topic and group on one server."""
+
+    name = "?"
+    #: Whether a redelivery after a consumer crash counts as an attempt.
+    counts_crash_redeliveries = True
+    #: Seconds within which a dead consumer's deliveries reach another consumer.
+    crash_window = 5.0
+    #: Seconds to watch for a redelivery that must not happen.
+    quiet = 1.0
+
+    def __init__(self, unique: str) -> None:
+        self.topic = f"conf-{unique}"
+        self.group = f"group-{unique}"
+        self._brokers: list[Any] = []
+
+    def broker(self) -> Broker:
+        """A new broker object on the same server (a restarted consumer process)."""
+        broker = self._make()
+        self._brokers.append(broker)
+        if hasattr(broker, "subscribe"):
+            broker.subscribe(self.topic, self.group)
+        return broker
+
+    def _make(self) -> Any:
+        raise NotImplementedError
+
+    def crash(self, broker: Broker) -> None:
+        """The process holding ``broker`` dies: no ack, no goodbye."""
+
+    def close(self, broker: Broker) -> None:
+        """A graceful shutdown of ``broker``."""
+        broker.close()  # type: ignore[attr-defined]
+
+    def dead_letters(self, broker: Broker) -> list[DeadLetter]:
+        return broker.list_dead_letters(self.topic, self.group)  # type: ignore[attr-defined,no-any-return]
+
+    def cleanup(self) -> None:
+        for broker in self._brokers:
+            with contextlib.suppress(Exception):
+                broker.close()
+
+
+class MemoryHarness(Harness):
+    name = "memory"
+    quiet = 0.2
+
+    def __init__(self, unique: str) -> None:
+        super().__init__(unique)
+        self.shared = InMemoryBroker(visibility_timeout=30.0)
+
+    def _make(self) -> Any:
+        return self.shared  # one process, one broker: a "restart" reuses it
+
+    def crash(self, broker: Broker) -> None:
+        self.shared.advance(31.0)  # past the visibility timeout (virtual clock)
+
+    def close(self, broker: Broker) -> None:
+        pass  # closing the fake ends it for everyone
+
+    def dead_letters(self, broker: Broker) -> list[DeadLetter]:
+        return self.shared.dead_letters
+
+    def cleanup(self) -> None:
+        self.shared.close()
+
+
+class RedisHarness(Harness):
+    name = "redis"
+    crash_window = 5.0
+    quiet = 1.5  # visibility timeout plus a claim interval
+
+    def __init__(self, unique: str) -> None:
+        require_library("redis", "RedisStreamsBroker")
+        super().__init__(unique)
+        import redis
+
+        self.url = services.require("redis")
+        self.client = redis.Redis.from_url(self.url)
+
+    def _make(self) -> Any:
+        from msgpatterns.brokers import RedisStreamsBroker
+
+        return RedisStreamsBroker(self.client, visibility_timeout=1.0, claim_interval=0.1)
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        keys = list(self.client.scan_iter(match=f"{self.topic}*"))
+        if keys:
+            self.client.delete(*keys)
+        self.client.close()
+
+
+HARNESSES: dict[str, type[Harness]] = {
+    "memory": MemoryHarness,
+    "redis": RedisHarness,
+}
+
+MARKS = {"redis": pytest.mark.redis, "rabbitmq": pytest.mark.rabbitmq,
+         "kafka": pytest.mark.kafka}
+
+
+def harness_params() -> list[Any]:
+    return [pytest.param(name, marks=[MARKS[name]] if name in MARKS else [], id=name)
+            for name in HARNESSES]
+
+
+def make_harness(name: str) -> Iterator[Harness]:
+    harness = HARNESSES[name](uuid.uuid4().hex[:10])
+    try:
+        yield harness
+    finally:
+        harness.cleanup()
