@@ -399,8 +399,9 @@ class BatchQueue(Generic[T, B]):
         except Exception as exc:
             error = exc
             log.error(
-                "%s: processor failed on a batch of %d item(s) from channel %d",
-                self.name, len(items), index, exc_info=True,
+                "%s: processor failed on a batch of %d item(s)%s",
+                self.name, len(items),
+                f" from channel {index}" if len(self._channels) > 1 else "", exc_info=True,
             )
             if self._on_error is not None:
                 try:
