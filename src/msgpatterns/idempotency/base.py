@@ -155,7 +155,7 @@ class Checker(Protocol):
 def classify(key: str, record: Record, token: str, fingerprint: str | None) -> Claim:
     """Turn what a store found after a claim attempt into a :class:`Claim`."""
     if record.token == token:
-        return Claim(key, Status.CLAIMED, token)
+        return Claim(key, Status.CLAIMED, token, fingerprint=fingerprint)
     if fingerprint is not None and record.fingerprint not in (None, fingerprint):
         return Claim(key, Status.CONFLICT)
     if record.state == DONE:
@@ -236,12 +236,12 @@ def count_claims(stats: IdempotencyStats, claims: Iterable[Claim]) -> None:
             stats.add("conflicts")
 
 
-def _owned(claims: Sequence[Claim]) -> list[tuple[str, str]]:
+def _owned(claims: Sequence[Claim]) -> list[ClaimRequest]:
     items = []
     for claim in claims:
         if claim.token is None:
             raise ValueError(f"{claim.key!r} was not claimed ({claim.status.value})")
-        items.append((claim.key, claim.token))
+        items.append(ClaimRequest(claim.key, claim.token, claim.fingerprint))
     return items
 
 
@@ -287,16 +287,18 @@ class LeaseChecker(ABC):
         return self._claim_records([request])[0]
 
     @abstractmethod
-    def _complete_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
-        """Per (key, token): PROCESSING -> DONE (ttl) if the token matches; True also
-        when it is DONE with that token already (a retried call)."""
+    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        """Per claimed item: PROCESSING -> DONE (ttl) if the token matches, or a new DONE
+        record if the key is absent (the lease expired and nobody took it). True also
+        when it is DONE with that token already (a retried call); False when another
+        owner holds it."""
 
-    def _complete_record(self, key: str, token: str) -> bool:
-        return self._complete_records([(key, token)])[0]
+    def _complete_record(self, item: ClaimRequest) -> bool:
+        return self._complete_records([item])[0]
 
     @abstractmethod
-    def _release_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
-        """Per (key, token): delete the PROCESSING record if the token matches."""
+    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        """Per claimed item: delete the PROCESSING record if the token matches."""
 
     @abstractmethod
     def purge(self, older_than: float | timedelta | None = None) -> int:
@@ -343,8 +345,8 @@ class LeaseChecker(ABC):
         return claims
 
     def complete(self, claim: Claim) -> bool:
-        ((key, token),) = _owned([claim])
-        done = self._io(lambda: self._complete_record(key, token), "complete")
+        (item,) = _owned([claim])
+        done = self._io(lambda: self._complete_record(item), "complete")
         self._after_complete([claim], [done])
         return done
 

@@ -67,22 +67,22 @@ class MemoryChecker(LeaseChecker):
                 self._sweep(now)
         return records
 
-    def _complete_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
+    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         done = []
         with self._lock:
             now = self.clock()
-            for key, token in items:
+            for key, token, fingerprint in items:
                 found = self._records.get(key)
-                ok = found is not None and found[1] == token
-                if ok and found is not None and found[0] == PROCESSING:
-                    self._records[key] = (DONE, token, found[2], now + self.ttl)
+                ok = found is None or found[1] == token
+                if ok and (found is None or found[0] == PROCESSING):
+                    self._records[key] = (DONE, token, fingerprint, now + self.ttl)
                 done.append(ok)
         return done
 
-    def _release_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
+    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         released = []
         with self._lock:
-            for key, token in items:
+            for key, token, _ in items:
                 found = self._records.get(key)
                 ok = found is not None and found[0] == PROCESSING and found[1] == token
                 if ok:

@@ -41,12 +41,14 @@ class Claim:
         status: what the claim found, see :class:`Status`.
         token: the owner token, set only when ``status`` is ``CLAIMED``.
         remaining: seconds left on the other owner's lease (``IN_PROGRESS``), else 0.
+        fingerprint: the payload fingerprint the claim was made with, if any.
     """
 
     key: str
     status: Status
     token: str | None = None
     remaining: float = 0.0
+    fingerprint: str | None = None
 
     @property
     def claimed(self) -> bool:

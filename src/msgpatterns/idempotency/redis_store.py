@@ -36,10 +36,15 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# KEYS[1] key; ARGV[1] token; ARGV[2] ttl in ms. 1 when the key is (now) DONE by token.
+# KEYS[1] key; ARGV[1] token; ARGV[2] ttl in ms; ARGV[3] fingerprint.
+# 1 when the key is (now) DONE by token: also when its lease expired and nobody took it.
 COMPLETE = """
 local v = redis.call('GET', KEYS[1])
-if not v or string.sub(v, 2, 33) ~= ARGV[1] then return 0 end
+if not v then
+  redis.call('SET', KEYS[1], 'D' .. ARGV[1] .. ARGV[3], 'PX', ARGV[2])
+  return 1
+end
+if string.sub(v, 2, 33) ~= ARGV[1] then return 0 end
 if string.sub(v, 1, 1) == 'P' then
   redis.call('SET', KEYS[1], 'D' .. string.sub(v, 2), 'PX', ARGV[2])
 end
@@ -158,20 +163,22 @@ class RedisChecker(LeaseChecker):
         return [_record(reply, request, self._lease_ms)
                 for reply, request in zip(replies, requests, strict=True)]
 
-    def _complete_record(self, key: str, token: str) -> bool:
-        return bool(self._complete_script(keys=[key.encode("utf-8")], args=[token, self._ttl_ms]))
+    def _complete_record(self, item: ClaimRequest) -> bool:
+        return bool(self._complete_script(keys=[item.key.encode("utf-8")],
+                                          args=[item.token, self._ttl_ms, item.fingerprint or ""]))
 
-    def _complete_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
-        replies = self._pipelined(self._complete_script,
-                                  [(key, (token, self._ttl_ms)) for key, token in items])
+    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        replies = self._pipelined(self._complete_script, [
+            (key, (token, self._ttl_ms, fingerprint or "")) for key, token, fingerprint in items
+        ])
         return [bool(reply) for reply in replies]
 
-    def _release_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
+    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         if len(items) == 1:
-            key, token = items[0]
+            key, token, _ = items[0]
             return [bool(self._release_script(keys=[key.encode("utf-8")], args=[token]))]
         replies = self._pipelined(self._release_script,
-                                  [(key, (token,)) for key, token in items])
+                                  [(key, (token,)) for key, token, _ in items])
         return [bool(reply) for reply in replies]
 
     def _pipelined(self, script: Any, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:

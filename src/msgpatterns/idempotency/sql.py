@@ -151,12 +151,12 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
             found = self.store.table.claim(conn, rows, now)
         return [found[r.key] for r in requests]
 
-    def _complete_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
+    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         now = self.store.now_ms()
         with self._autocommit.connect() as conn:
             return self.store.table.complete(conn, items, now, now + self._ttl_ms)
 
-    def _release_records(self, items: Sequence[tuple[str, str]]) -> list[bool]:
+    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         with self._autocommit.connect() as conn:
             return self.store.table.release(conn, items)
 

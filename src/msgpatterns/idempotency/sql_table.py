@@ -37,7 +37,11 @@ _CHUNK = 500
 _TAKEOVER_COLUMNS = ("state", "owner_token", "fingerprint", "updated_at", "expires_at")
 
 
-def _chunks(items: Sequence[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
+#: (key, owner token, fingerprint) of a claimed key.
+Owned = tuple[str, str, "str | None"]
+
+
+def _chunks(items: Sequence[Owned]) -> Iterator[list[Owned]]:
     for start in range(0, len(items), _CHUNK):
         yield list(items[start:start + _CHUNK])
 
@@ -161,36 +165,41 @@ class DedupTable:
 
     # -- complete / release -----------------------------------------------------------------
 
-    def complete(self, conn: Connection, items: Sequence[tuple[str, str]], now: int,
+    def complete(self, conn: Connection, items: Sequence[Owned], now: int,
                  expires_at: int) -> list[bool]:
-        """Per (key, token): mark DONE until ``expires_at`` if the token still owns it
-        (True also when it is DONE by that token already: a retried call)."""
+        """Per (key, token, fingerprint): mark DONE until ``expires_at`` if the token
+        still owns the key, or insert it DONE if its row is gone (purged after its lease
+        expired). True also when it is DONE by that token already: a retried call."""
         c = self.table.c
         outcome: list[bool] = []
         for chunk in _chunks(items):
+            pairs = [(key, token) for key, token, _ in chunk]
             touched = conn.execute(sa.update(self.table).where(
-                sa.tuple_(c.dedup_key, c.owner_token).in_(chunk),
+                sa.tuple_(c.dedup_key, c.owner_token).in_(pairs),
             ).values(state=DONE, expires_at=expires_at, updated_at=now)).rowcount
             if touched == len(chunk):
                 outcome.extend([True] * len(chunk))
                 continue
-            rows = conn.execute(sa.select(c.dedup_key, c.owner_token).where(
-                c.dedup_key.in_([key for key, _ in chunk]), c.state == DONE))
-            done = set(rows.tuples())
-            outcome.extend(pair in done for pair in chunk)
+            gone = [{"dedup_key": key, "state": DONE, "owner_token": token,
+                     "fingerprint": fingerprint, "expires_at": expires_at, "updated_at": now}
+                    for key, token, fingerprint in chunk]
+            found = self.claim(conn, gone, now)
+            outcome.extend(found[key].token == token and found[key].state == DONE
+                           for key, token, _ in chunk)
         return outcome
 
-    def release(self, conn: Connection, items: Sequence[tuple[str, str]]) -> list[bool]:
-        """Per (key, token): delete the PROCESSING row if the token still owns it; True
-        for the pairs this call deleted."""
+    def release(self, conn: Connection, items: Sequence[Owned]) -> list[bool]:
+        """Per (key, token, _): delete the PROCESSING row if the token still owns it; True
+        for the rows this call deleted."""
         c = self.table.c
         outcome: list[bool] = []
         for chunk in _chunks(items):
+            pairs = [(key, token) for key, token, _ in chunk]
             stmt = sa.delete(self.table).where(
-                sa.tuple_(c.dedup_key, c.owner_token).in_(chunk), c.state == PROCESSING)
+                sa.tuple_(c.dedup_key, c.owner_token).in_(pairs), c.state == PROCESSING)
             if self.dialect.delete_returning:
                 deleted = set(conn.scalars(stmt.returning(c.dedup_key)))
-                outcome.extend(key in deleted for key, _ in chunk)
+                outcome.extend(key in deleted for key, _ in pairs)
                 continue
             touched = conn.execute(stmt).rowcount
             if touched in (0, len(chunk)):
@@ -198,8 +207,8 @@ class DedupTable:
                 continue
             # MySQL has no DELETE ... RETURNING: a pair whose key is gone was ours
             present = set(conn.scalars(sa.select(c.dedup_key).where(
-                c.dedup_key.in_([key for key, _ in chunk]))))
-            outcome.extend(key not in present for key, _ in chunk)
+                c.dedup_key.in_([key for key, _ in pairs]))))
+            outcome.extend(key not in present for key, _ in pairs)
         return outcome
 
     # -- purge ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from msgpatterns.brokers.memory import InMemoryBroker
 from msgpatterns.consumer import Consumer
 from msgpatterns.message import Message
 from msgpatterns.testing.assertions import EffectLog
+from msgpatterns.testing.checker_fixtures import memory_checker, redis_checker, sql_checker  # noqa: F401
 
 ConsumeFn = Callable[..., Consumer]
 
