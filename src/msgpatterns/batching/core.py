@@ -332,6 +332,8 @@ class BatchQueue(Generic[T, B]):
             channel.space.wait(left)
             if self._closed:
                 raise QueueClosed(f"{self.name} was closed while waiting for room")
+        if channel.held + 1 < channel.capacity:
+            channel.space.notify()  # more room than this producer needs: pass it on
         return True
 
     def _wait_processed(self, marks: list[tuple[Channel[T], int]], limit: float | None) -> bool:
@@ -361,9 +363,12 @@ class BatchQueue(Generic[T, B]):
             if job is None:
                 return
             channel, start, items = job
-            failed = self._process(channel.index, items)
-            with self._lock:
-                self._finish(channel, start, len(items), failed)
+            failed = True
+            try:
+                failed = self._process(channel.index, items)
+            finally:  # even a BaseException must not leave the items counted as held
+                with self._lock:
+                    self._finish(channel, start, len(items), failed)
 
     def _next_job(self) -> tuple[Channel[T], int, list[T]] | None:
         """With the lock held: wait for the next due batch; None when closed and empty."""
