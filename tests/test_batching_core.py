@@ -191,11 +191,17 @@ def test_capacity_with_a_blocked_processor_is_exactly_queue_size(kind: Kind) -> 
     assert sorted(recorder.items()) == list(range(50))
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_add_with_timeout_waits_for_room(kind: Kind) -> None:
+def full_and_blocked(kind: Kind) -> tuple[Recorder, BatchQueue[Any, Any]]:
+    """A helper holding its capacity (items 0..4) with its only worker blocked."""
     recorder = Recorder(gated=True)
     helper = make(kind, recorder, batch_size=5, queue_size=5, threads=1)
     assert fill(helper, range(5)) == 5
+    return recorder, helper
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_add_with_timeout_waits_for_room(kind: Kind) -> None:
+    recorder, helper = full_and_blocked(kind)
     results: list[bool] = []
     waiter = threading.Thread(target=lambda: results.append(helper.add(99, timeout=GUARD)))
     waiter.start()
@@ -208,9 +214,7 @@ def test_add_with_timeout_waits_for_room(kind: Kind) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_producer_waiting_for_room_gets_queue_closed(kind: Kind) -> None:
-    recorder = Recorder(gated=True)
-    helper = make(kind, recorder, batch_size=5, queue_size=5, threads=1)
-    assert fill(helper, range(5)) == 5
+    recorder, helper = full_and_blocked(kind)
     errors: list[BaseException] = []
 
     def produce() -> None:
