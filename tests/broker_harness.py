@@ -155,9 +155,59 @@ class RedisHarness(Harness):
         self.client.close()
 
 
+class RabbitMQHarness(Harness):
+    name = "rabbitmq"
+    crash_window = 3.0
+    quiet = 0.5  # unacked deliveries go back the moment their connection closes
+
+    def __init__(self, unique: str) -> None:
+        require_library("pika", "RabbitMQBroker")
+        super().__init__(unique)
+        self.url = services.require("rabbitmq")
+
+    def _make(self) -> Any:
+        from msgpatterns.brokers import RabbitMQBroker
+
+        return RabbitMQBroker(self.url, prefetch=50)
+
+    def crash(self, broker: Broker) -> None:
+        kill_rabbitmq_connection(broker)
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        delete_rabbitmq_topology(self.url, self.topic, self.group)
+
+
+def kill_rabbitmq_connection(broker: Any) -> None:
+    """The process dies: its I/O thread stops without a goodbye and the TCP connection
+    drops under the server (which then requeues the unacked deliveries)."""
+    import socket
+
+    broker._shutdown = lambda: None  # no graceful close, no requeue of the buffer
+    broker._reconnect = lambda: None
+    broker._closed.set()
+    broker._conn._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+    broker._thread.join(5)
+
+
+def delete_rabbitmq_topology(url: str, topic: str, group: str) -> None:
+    import pika
+
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = conn.channel()
+        queue = f"{topic}.{group}"
+        for name in (queue, f"{queue}.dlq"):
+            channel.queue_delete(name)
+        channel.exchange_delete(topic)
+    finally:
+        conn.close()
+
+
 HARNESSES: dict[str, type[Harness]] = {
     "memory": MemoryHarness,
     "redis": RedisHarness,
+    "rabbitmq": RabbitMQHarness,
 }
 
 MARKS = {"redis": pytest.mark.redis, "rabbitmq": pytest.mark.rabbitmq,

@@ -164,12 +164,14 @@ def redelivery_headers(
     group: str | None = None,
     due_at: float | None = None,
     with_id: bool = True,
+    attempt: int | None = None,
 ) -> dict[str, str]:
     """Wire headers for the copy that redelivers ``message``: its headers as they are
-    now (the failure history), the next attempt number, the original topic and
-    position, and the transport headers that keep id, key and publish time."""
+    now (the failure history), the next attempt number (or ``attempt``: a message
+    handed back unprocessed keeps its own), the original topic and position, and the
+    transport headers that keep id, key and publish time."""
     out = dict(message.headers)
-    out[h.ATTEMPT] = str(message.attempt + 1)
+    out[h.ATTEMPT] = str(message.attempt + 1 if attempt is None else attempt)
     out.setdefault(h.ORIGINAL_TOPIC, message.topic)
     if message.partition is not None:
         out.setdefault(h.ORIGINAL_PARTITION, str(message.partition))

@@ -296,9 +296,13 @@ class RedisStreamsBroker:
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds, to this group only, with ``attempt + 1``,
         the original payload and the message's headers as they are now."""
+        self._redeliver(message, delay)
+
+    def _redeliver(self, message: Message, delay: float, attempt: int | None = None) -> None:
         r = self._receipt(message)
         fields = self._entry(
-            body_bytes(message.raw_body), codec.redelivery_headers(message, group=r.group)
+            body_bytes(message.raw_body),
+            codec.redelivery_headers(message, group=r.group, attempt=attempt),
         )
         retry = self.retry_stream(r.topic, r.group)
         if delay > 0:
@@ -321,7 +325,12 @@ class RedisStreamsBroker:
             log.debug("dead letter of %s ignored: claimed by another consumer", message.id)
 
     def close(self) -> None:
-        """Release the connection pool if this broker created it."""
+        """Hand back deliveries read but never returned by :meth:`fetch` (their attempt
+        unchanged) and release the connection pool if this broker created it."""
+        with self._lock:
+            unused, self._overflow = self._overflow, []
+        for message in unused:
+            self._redeliver(message, 0.0, attempt=message.attempt)
         if self._owns_client:
             self._redis.close()
 
