@@ -113,7 +113,12 @@ def test_a_moved_partition_waits_for_its_old_lane_to_drain() -> None:
         try:
             moved = _key_where(executor, 3, old=0, new=1)
             stays = _key_where(executor, 3, old=1, new=1)
-            blocker = executor.submit(moved, lambda: (release.wait(), order.append("first")))
+
+            def first() -> None:
+                release.wait()
+                order.append("first")
+
+            blocker = executor.submit(moved, first)
             executor.resize(3)
             assert executor.lane_of(moved) == executor.lane_of(stays) == 1
             second = executor.submit(moved, order.append, "second")
@@ -135,7 +140,7 @@ def test_a_failing_task_sets_its_future_and_the_lane_goes_on() -> None:
 
     with OrderedExecutor(1) as executor:
         futures: list[Future[object]] = [executor.submit("k", boom)]
-        futures += [executor.submit("k", lambda i=i: i) for i in range(3)]
+        futures += [executor.submit("k", int, i) for i in range(3)]
         futures.append(executor.submit("other", boom))
         futures.append(executor.submit("other", lambda: "after"))
     with pytest.raises(ValueError, match="boom"):
@@ -152,9 +157,10 @@ def test_shutdown_wait_runs_everything_submitted_also_held_tasks() -> None:
     executor.submit(key, release.wait)
     executor.resize(3)
     counts: dict[str, int] = defaultdict(int)
-    futures = [executor.submit(f"k{i % 50}", counts.__setitem__, f"k{i % 50}", i)
-               for i in range(2000)]
-    futures.append(executor.submit(key, lambda: "held"))  # held behind the blocked lane
+    futures: list[Future[object]] = [
+        executor.submit(f"k{i % 50}", counts.__setitem__, f"k{i % 50}", i) for i in range(2000)
+    ]
+    futures.append(executor.submit(key, str, "held"))  # held behind the blocked lane
     threads = [t for t in threading.enumerate() if t.name.startswith("drain-lane-")]
     assert len(threads) == 3
     stopper = threading.Thread(target=executor.shutdown, kwargs={"wait": True})
@@ -174,7 +180,9 @@ def test_shutdown_wait_runs_everything_submitted_also_held_tasks() -> None:
 def test_shutdown_without_wait_still_finishes_the_work() -> None:
     executor = OrderedExecutor(2, name="nowait")
     gate = threading.Event()
-    futures = [executor.submit("a", gate.wait), executor.submit("a", lambda: "done")]
+    futures: list[Future[object]] = [
+        executor.submit("a", gate.wait), executor.submit("a", str, "done")
+    ]
     executor.shutdown(wait=False)
     assert not futures[1].done()
     gate.set()
