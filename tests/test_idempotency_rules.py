@@ -152,8 +152,15 @@ def test_a_failing_call_releases_its_claim_and_the_error_propagates(store: Store
 def test_execute_runs_once_and_skips_the_duplicate(store: Store) -> None:
     checker = store.checker
     runs: list[str] = []
-    first = checker.execute("k", lambda _: runs.append("ran") or "result")
-    second = checker.execute("k", lambda _: runs.append("again"))
+
+    def handler(name: str) -> Any:
+        def call(tx: object) -> str:
+            runs.append(name)
+            return "result"
+        return call
+
+    first = checker.execute("k", handler("ran"))
+    second = checker.execute("k", handler("again"))
     assert (first.ran, first.result) == (True, "result")
     assert (second.ran, second.result) == (False, None)
     assert runs == ["ran"]

@@ -208,6 +208,7 @@ class TransactionalSqlChecker(SqlMaintenance):
             try:
                 tx.commit()
             except self.transient as exc:
+                conn.invalidate()  # never reuse a connection whose commit is in doubt
                 self.stats.add("unavailable")
                 raise NeedRetry(
                     delay=self.policy.unavailable_delay,
