@@ -31,8 +31,6 @@ DEFAULT_WAIT: WaitBaseT = tenacity.wait_random(0, 0.005)
 def _retrying(attempts: int, retry_later: float | timedelta, wait: WaitBaseT | None,
               lost: Callable[[Any], bool]) -> tenacity.Retrying:
     """Retry while ``lost(result)``; after ``attempts`` lost rounds raise NeedRetry."""
-    if attempts < 1:
-        raise ValueError("attempts must be at least 1")
     delay = seconds(retry_later)
 
     def give_up(state: tenacity.RetryCallState) -> Any:
@@ -110,6 +108,8 @@ def optimistic_update(
     compare-and-set is retried. Every round must read fresh data: on MySQL/MariaDB
     (REPEATABLE READ) run each round's load in a new transaction.
     """
+    if attempts < 1:
+        raise ValueError("attempts must be at least 1")
     if load is not None and merge is None and save is None:
         return _retrying(attempts, retry_later, wait, _falsy).wraps(load)
     if load is None and merge is None and save is None:
