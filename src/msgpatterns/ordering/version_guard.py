@@ -265,9 +265,13 @@ class VersionGuard:
         return wanted in candidates
 
     def _key_tuple(self, key: Any) -> tuple[Any, ...]:
-        parts = tuple(key) if len(self.key_columns) > 1 and isinstance(key, Sequence) \
-            and not isinstance(key, str | bytes) else (key,)
-        if len(parts) != len(self.key_columns):
+        composite = len(self.key_columns) > 1
+        if not composite:
+            parts: tuple[Any, ...] = (key,)
+        elif isinstance(key, Sequence) and not isinstance(key, str | bytes) \
+                and len(key) == len(self.key_columns):
+            parts = tuple(key)
+        else:
             raise ConfigurationError(
                 f"key {key!r} does not match key columns {[c.key for c in self.key_columns]}"
             )
@@ -310,7 +314,9 @@ class VersionGuard:
                 raise ConfigurationError("all rows of a batch must have the same columns")
             if row.get(version) is None:
                 raise MissingVersion(f"row {dict(row)!r} has no {version!r}")
-            key = self._key_tuple(tuple(row[c.key] for c in self.key_columns))
+            key = tuple(row[c.key] for c in self.key_columns)
+            if any(part is None for part in key):
+                raise MalformedMessage(f"row {dict(row)!r} has no key")
             kept = latest.get(key)
             if kept is None or _is_after(row[version], kept[version]):
                 latest[key] = dict(row)
