@@ -204,10 +204,58 @@ def delete_rabbitmq_topology(url: str, topic: str, group: str) -> None:
         conn.close()
 
 
+_kafka_cluster: Any = None
+
+
+def kafka_cluster() -> Any:
+    """The process's librdkafka mock cluster (started on first use)."""
+    global _kafka_cluster
+    require_library("confluent_kafka", "KafkaBroker")
+    if _kafka_cluster is None:
+        from msgpatterns.brokers.kafka_mock import KafkaMockCluster
+
+        _kafka_cluster = KafkaMockCluster()
+    return _kafka_cluster
+
+
+#: Consumer settings for tests: the next-generation group protocol (KIP-848) joins a
+#: mock-cluster group at once (the classic one waits 3 s per new group), topics are
+#: auto-created, and fetches return quickly.
+KAFKA_TEST_CONSUMER = {
+    "group.protocol": "consumer",
+    "allow.auto.create.topics": True,
+    "fetch.wait.max.ms": 50,
+}
+
+
+class KafkaHarness(Harness):
+    name = "kafka"
+    counts_crash_redeliveries = False  # Kafka keeps no delivery count
+    crash_window = 5.0
+    quiet = 2.0
+
+    def __init__(self, unique: str) -> None:
+        self.cluster = kafka_cluster()
+        super().__init__(unique)
+
+    def _make(self) -> Any:
+        from msgpatterns.brokers import KafkaBroker
+
+        return KafkaBroker(self.cluster.bootstrap_servers, consumer_config=KAFKA_TEST_CONSUMER)
+
+    def crash(self, broker: Broker) -> None:
+        # The consumer goes away without committing anything (what a killed process
+        # leaves behind); leaving the group lets the next consumer in at once.
+        for state in broker._groups.values():  # type: ignore[attr-defined]
+            state.consumer.close()
+        broker._groups.clear()  # type: ignore[attr-defined]
+
+
 HARNESSES: dict[str, type[Harness]] = {
     "memory": MemoryHarness,
     "redis": RedisHarness,
     "rabbitmq": RabbitMQHarness,
+    "kafka": KafkaHarness,
 }
 
 MARKS = {"redis": pytest.mark.redis, "rabbitmq": pytest.mark.rabbitmq,
