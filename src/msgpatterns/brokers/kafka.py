@@ -66,12 +66,13 @@ class OffsetTracker:
     unsettled offset, whatever order settlements arrive in.
     """
 
-    __slots__ = ("_done", "_last", "_pending", "committed", "epoch")
+    __slots__ = ("_done", "_last", "_open", "_pending", "committed", "epoch")
 
     def __init__(self, epoch: int = 0) -> None:
         self.epoch = epoch
-        self._pending: deque[int] = deque()
-        self._done: set[int] = set()
+        self._pending: deque[int] = deque()  # delivered, in order, up to the position
+        self._open: set[int] = set()  # the same offsets, for lookups
+        self._done: set[int] = set()  # the settled ones among them
         self._last: int | None = None
         self.committed: int | None = None
 
@@ -80,25 +81,28 @@ class OffsetTracker:
         if self._last is not None and offset <= self._last:
             return
         self._pending.append(offset)
+        self._open.add(offset)
         self._last = offset
 
     def settled(self, offset: int) -> None:
         """``offset`` is done (acked, retried or dead-lettered)."""
-        if self._pending and self._pending[0] <= offset <= (self._last or 0):
+        if offset in self._open:
             self._done.add(offset)
 
     def position(self) -> int | None:
         """The offset to commit, or None before the first delivery."""
         while self._pending and self._pending[0] in self._done:
-            self._done.discard(self._pending.popleft())
+            head = self._pending.popleft()
+            self._done.discard(head)
+            self._open.discard(head)
         if self._pending:
             return self._pending[0]
         return None if self._last is None else self._last + 1
 
     @property
     def unsettled(self) -> int:
-        self.position()
-        return len(self._pending)
+        """Delivered offsets not settled yet."""
+        return len(self._open) - len(self._done)
 
 
 @dataclass(frozen=True, slots=True)
