@@ -7,9 +7,9 @@ SQLAlchemy, ...) are loaded on first use and raise
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from msgpatterns._extras import lazy_attributes
 from msgpatterns.brokers.memory import InMemoryBroker
 from msgpatterns.consumer import Consumer
 from msgpatterns.deadletter import DeadLetter
@@ -80,10 +80,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'msgpatterns' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)

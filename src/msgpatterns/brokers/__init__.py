@@ -3,9 +3,9 @@ library on first use (extras ``[redis]``, ``[rabbitmq]``, ``[kafka]``)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from msgpatterns._extras import lazy_attributes
 from msgpatterns.brokers.base import Broker, SupportsVirtualTime
 from msgpatterns.brokers.memory import InMemoryBroker, VirtualClock
 
@@ -31,10 +31,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'msgpatterns.brokers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
