@@ -80,7 +80,7 @@ class Harness:
 
     def broker(self) -> Broker:
         """A new broker object on the same server (a restarted consumer process)."""
-        broker = self._make()
+        broker: Broker = self._make()
         self._brokers.append(broker)
         if hasattr(broker, "subscribe"):
             broker.subscribe(self.topic, self.group)

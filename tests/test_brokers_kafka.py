@@ -71,6 +71,16 @@ def committed(bootstrap: str, group: str, topic: str, partition: int) -> int:
         probe.close()
 
 
+def offset_of(message: Message) -> int:
+    assert message.offset is not None
+    return message.offset
+
+
+def partition_of(message: Message) -> int:
+    assert message.partition is not None
+    return message.partition
+
+
 # -- the commit position, pure --------------------------------------------------------
 
 
@@ -114,7 +124,7 @@ def test_shuffled_acks_never_commit_past_the_first_unacked_offset(
     broker = make_broker(bootstrap, brokers)
     group = f"g-{topic}"
     got = drain(broker, topic, group, count=10, within=20)
-    by_offset = {m.offset: m for m in got}
+    by_offset = {offset_of(m): m for m in got}
     assert sorted(by_offset) == list(range(10))
     rng = random.Random(seed)
     unacked = set(rng.sample(range(10), 3))
@@ -165,10 +175,10 @@ def test_rebalance_commits_the_settled_prefix_and_drops_revoked_work(
         return len(received) >= 4  # two partitions x two unsettled records
 
     eventually(rebalanced, timeout=30, message="second consumer receives the unsettled work")
-    moved = {m.partition for m in received}
+    moved = {partition_of(m) for m in received}
     assert len(moved) == 2
     # Only what was in flight moved: no settled record is delivered again.
-    assert sorted(m.offset for m in received) == [1, 1, 2, 2]
+    assert sorted(offset_of(m) for m in received) == [1, 1, 2, 2]
     for partition in moved:  # the revoke committed offset 0's settlement
         assert committed(bootstrap, group, topic, partition) == 1
     # The first consumer's late acks of revoked partitions change nothing.
@@ -204,7 +214,7 @@ def test_a_retry_reaches_only_the_group_that_nacked_it(
     assert drain(other, topic, "g2", within=1.5) == []  # g2 skipped g1's retry
     other.commit()
     retry_topic = other.retry_topic(topic)
-    assert committed(bootstrap, "g2", retry_topic, retry.partition) == retry.offset + 1
+    assert committed(bootstrap, "g2", retry_topic, partition_of(retry)) == offset_of(retry) + 1
 
 
 def test_dead_letter_topic_carries_the_origin_and_the_error(

@@ -1,0 +1,207 @@
+"""RabbitMQBroker specifics on the real server: reconnect after the server closes the
+connection, a killed consumer process, acks from many threads, prefetch, retry delay
+buckets, and publishing where nobody listens."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker_harness import delete_rabbitmq_topology, drain, eventually, require_library
+from msgpatterns import Consumer, Message
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def rabbitmq_url(rabbitmq_url: str) -> str:
+    require_library("pika", "RabbitMQBroker")
+    return rabbitmq_url
+
+
+@pytest.fixture
+def names(rabbitmq_url: str, unique: str) -> Iterator[tuple[str, str]]:
+    topic, group = f"rt-{unique}", f"g-{unique}"
+    yield topic, group
+    delete_rabbitmq_topology(rabbitmq_url, topic, group)
+
+
+@pytest.fixture
+def brokers() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for broker in made:
+        broker.close()
+
+
+def make(url: str, made: list[Any], **kwargs: Any) -> Any:
+    from msgpatterns.brokers import RabbitMQBroker
+
+    broker = RabbitMQBroker(url, **kwargs)
+    made.append(broker)
+    return broker
+
+
+def close_from_server(connection_name: str) -> None:
+    """Close our connection from the server side (only ours: the server is shared)."""
+    listing = subprocess.run(
+        ["rabbitmqctl", "list_connections", "pid", "client_properties", "-q"],
+        capture_output=True, text=True, check=True, timeout=30,
+    )
+    for line in listing.stdout.splitlines():
+        pid, _, props = line.partition("\t")
+        if f'{{"connection_name","{connection_name}"}}' in props:
+            subprocess.run(["rabbitmqctl", "close_connection", pid, "test: forced close"],
+                           capture_output=True, check=True, timeout=30)
+            return
+    raise AssertionError(f"no connection named {connection_name}")
+
+
+# -- pure ---------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(min_value=0.0005, max_value=7200.0, allow_nan=False))
+def test_retry_delay_buckets_are_never_early_and_at_most_ten_percent_late(delay: float) -> None:
+    from msgpatterns.brokers.rabbitmq import delay_bucket_ms
+
+    bucket = delay_bucket_ms(delay)
+    assert bucket >= delay * 1000
+    assert bucket <= max(delay * 1000 * 1.1, delay * 1000 + 1)
+    assert len(str(bucket).rstrip("0")) <= 2  # two significant digits: few queues
+
+
+# -- on the server ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl")
+def test_reconnects_after_the_server_closes_the_connection(
+    rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
+) -> None:
+    topic, group = names
+    broker = make(rabbitmq_url, brokers, name=f"msgpatterns-test-{uuid.uuid4().hex[:8]}")
+    broker.subscribe(topic, group)
+    broker.publish(topic, b"in flight")
+    [held] = drain(broker, topic, group, count=1)
+    close_from_server(broker.name)
+    # The delivery died with the connection: the server requeues it, the broker
+    # reconnects and consumes again, and the late ack of the dead delivery is dropped.
+    broker.ack(held)
+    [again] = drain(broker, topic, group, count=1, within=20)
+    assert again.raw_body == b"in flight"
+    assert again.attempt == 2  # the quorum queue counted the lost delivery
+    broker.ack(again)
+    broker.publish(topic, b"after")  # publishing works on the new connection too
+    [after] = drain(broker, topic, group, count=1, within=10)
+    assert after.raw_body == b"after" and after.attempt == 1
+    broker.ack(after)
+
+
+def test_a_killed_consumer_process_hands_its_deliveries_to_the_next(
+    rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
+) -> None:
+    topic, group = names
+    broker = make(rabbitmq_url, brokers)
+    broker.subscribe(topic, group)
+    for i in range(5):
+        broker.publish(topic, f"m{i}".encode())
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from msgpatterns.brokers import RabbitMQBroker
+            broker = RabbitMQBroker({rabbitmq_url!r})
+            got = []
+            while len(got) < 5:
+                got += broker.fetch([{topic!r}], {group!r}, max_messages=5, timeout=5)
+            print("holding", len(got), flush=True)
+            sys.stdin.read()  # hold them until killed
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "holding 5"
+        assert drain(broker, topic, group, within=0.5) == []  # all five held by the child
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    got = drain(broker, topic, group, count=5, within=20)
+    assert sorted(m.raw_body for m in got) == [f"m{i}".encode() for i in range(5)]
+    assert {m.attempt for m in got} == {2}
+    for m in got:
+        broker.ack(m)
+
+
+def test_acks_from_many_threads_settle_every_delivery_once(
+    rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
+) -> None:
+    topic, group = names
+    broker = make(rabbitmq_url, brokers, prefetch=64)
+    broker.subscribe(topic, group)
+    total = 300
+    for i in range(total):
+        broker.publish(topic, str(i).encode())
+    seen: list[Message] = []
+    lock = threading.Lock()
+
+    def handler(message: Message) -> None:
+        with lock:
+            seen.append(message)
+
+    consumer = Consumer(broker, handler, topics=[topic], group=group, workers=8,
+                        max_in_flight=64, poll_timeout=0.05)
+    consumer.start()
+    try:
+        eventually(lambda: len(seen) >= total, timeout=30, message="all processed")
+    finally:
+        consumer.stop(5)
+    assert sorted(int(m.raw_body) for m in seen) == list(range(total))
+    assert {m.attempt for m in seen} == {1}
+    broker.close()
+    again = make(rabbitmq_url, brokers)
+    assert drain(again, topic, group, within=0.5) == []  # every ack reached the server
+
+
+def test_prefetch_bounds_unacked_deliveries(
+    rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
+) -> None:
+    topic, group = names
+    broker = make(rabbitmq_url, brokers, prefetch=3)
+    broker.subscribe(topic, group)
+    for i in range(6):
+        broker.publish(topic, str(i).encode())
+    first = drain(broker, topic, group, within=0.5, batch=100)
+    assert len(first) == 3
+    for m in first:
+        broker.ack(m)
+    rest = drain(broker, topic, group, count=3, within=10, batch=100)
+    assert sorted(int(m.raw_body) for m in first + rest) == list(range(6))
+    for m in rest:
+        broker.ack(m)
+
+
+def test_publishing_where_no_group_listens_raises(
+    rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
+) -> None:
+    import pika
+
+    topic, group = names
+    broker = make(rabbitmq_url, brokers)
+    with pytest.raises(pika.exceptions.UnroutableError):
+        broker.publish(topic, b"nobody listens")
+    broker.subscribe(topic, group)
+    broker.publish(topic, b"now someone does")
+    [m] = drain(broker, topic, group, count=1)
+    broker.ack(m)

@@ -1,0 +1,240 @@
+"""RedisStreamsBroker specifics: retries per group, stale settlements after a claim,
+entries from foreign producers, unused reads handed back on close (fakeredis), and
+consumer processes SIGKILLed in the middle of acks, retries and dead letters (real
+Redis): nothing is lost and nothing is both acked and retried."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker_harness import drain, eventually, require_library
+from msgpatterns import Backoff, Consumer, Message, RetryPolicy
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def fake() -> Iterator[Any]:
+    require_library("fakeredis", "fakeredis")
+    require_library("lupa", "Lua scripts in fakeredis")
+    import fakeredis
+
+    client = fakeredis.FakeRedis()
+    yield client
+    client.close()
+
+
+def broker_on(client: Any, **kwargs: Any) -> Any:
+    from msgpatterns.brokers import RedisStreamsBroker
+
+    return RedisStreamsBroker(client, **kwargs)
+
+
+def test_a_retry_reaches_only_the_group_that_nacked_it(fake: Any) -> None:
+    broker = broker_on(fake)
+    broker.publish("s", b"x")
+    [mine] = drain(broker, "s", "g1", count=1)
+    [theirs] = drain(broker, "s", "g2", count=1)
+    broker.ack(theirs)
+    broker.nack(mine, 0.0)
+    [retry] = drain(broker, "s", "g1", count=1)
+    assert (retry.raw_body, retry.attempt, retry.id) == (b"x", 2, mine.id)
+    assert drain(broker, "s", "g2", within=0.2) == []
+    broker.ack(retry)
+    assert fake.xlen("s:retry:g1") == 0  # settled retry entries are deleted
+
+
+def test_a_nack_after_another_consumer_claimed_the_delivery_does_nothing(fake: Any) -> None:
+    slow = broker_on(fake, visibility_timeout=0.05, claim_interval=0.01)
+    rescuer = broker_on(fake, visibility_timeout=0.05, claim_interval=0.01)
+    slow.publish("s", b"x")
+    [held] = drain(slow, "s", "g", count=1)
+    [claimed] = drain(rescuer, "s", "g", count=1, within=5)
+    assert claimed.attempt == 2  # the delivery count
+    slow.nack(held, 0.0)  # too late: the delivery is the rescuer's now
+    slow.dead_letter(held, _record(held))
+    assert fake.xlen("s:retry:g") == 0 and fake.zcard("s:delayed:g") == 0
+    assert not fake.exists("s:dlq")
+    rescuer.ack(claimed)
+    assert fake.xpending("s", "g")["pending"] == 0
+
+
+def _record(message: Message) -> Any:
+    from msgpatterns import DeadLetter
+
+    return DeadLetter.from_error(message, ValueError("x"), now=time.time())
+
+
+def test_delayed_retry_waits_in_the_sorted_set_then_moves(fake: Any) -> None:
+    broker = broker_on(fake)
+    broker.publish("s", b"x")
+    [m] = drain(broker, "s", "g", count=1)
+    broker.nack(m, 30.0)
+    # One atomic step: acked in the stream, parked in the delayed set.
+    assert fake.xpending("s", "g")["pending"] == 0
+    assert fake.zcard("s:delayed:g") == 1
+    assert drain(broker, "s", "g", within=0.2) == []
+    [(member, due)] = fake.zrange("s:delayed:g", 0, -1, withscores=True)
+    fake.zadd("s:delayed:g", {member: due - 30_000})  # make it due now
+    [retry] = drain(broker, "s", "g", count=1)
+    assert retry.attempt == 2 and fake.zcard("s:delayed:g") == 0
+
+
+def test_entries_from_other_producers_are_readable(fake: Any) -> None:
+    broker = broker_on(fake)
+    entry_id = fake.xadd("s", {"order": "42", "state": "paid"}).decode()
+    [m] = drain(broker, "s", "g", count=1)
+    assert m.id == entry_id
+    assert m.raw_body == b'{"order": "42", "state": "paid"}'
+    assert m.attempt == 1 and m.headers == {}
+
+
+def test_reads_never_handed_out_go_back_on_close_without_counting(fake: Any) -> None:
+    broker = broker_on(fake)
+    broker.publish("a", b"1")
+    broker.publish("b", b"2")
+    broker.subscribe("a", "g")
+    broker.subscribe("b", "g")
+    first = broker.fetch(["a", "b"], "g", max_messages=1, timeout=0.1)  # reads one of each
+    assert len(first) == 1
+    broker.close()
+    other = broker_on(fake)
+    rest = drain(other, "a", "g", within=0.3) + drain(other, "b", "g", within=0.3)
+    assert [m.attempt for m in rest] == [1]
+    assert {m.raw_body for m in first + rest} == {b"1", b"2"}
+
+
+# -- real crashes on the real server -------------------------------------------------
+
+
+@pytest.fixture
+def real(redis_url: str) -> Iterator[tuple[Any, str]]:
+    require_library("redis", "RedisStreamsBroker")
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    stream = f"crash-{uuid.uuid4().hex[:10]}"
+    yield client, stream
+    keys = list(client.scan_iter(match=f"{stream}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+CHILD = textwrap.dedent("""
+    import os, random, signal, sys, threading
+    from msgpatterns import Backoff, Consumer, NeedRetry, Reject, RetryPolicy
+    from msgpatterns.brokers import RedisStreamsBroker
+
+    url, stream, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = random.Random(seed)
+    broker = RedisStreamsBroker(url, visibility_timeout=0.5, claim_interval=0.05)
+    calls = 0
+    lock = threading.Lock()
+
+    def handler(message):
+        global calls
+        with lock:
+            calls += 1
+            if calls == 40:  # die mid-flight, mid-retry, mid-ack on other threads
+                os.kill(os.getpid(), signal.SIGKILL)
+        n = int(message.raw_body)
+        if n % 7 == 0:
+            raise Reject("poison")
+        if n % 3 == 0 and message.attempt == 1:
+            raise NeedRetry(delay=rng.choice([0, 0.05, 0.2]))
+        os.write(1, b"ok %d\\n" % n)  # one write: lines from threads never interleave
+
+    Consumer(broker, handler, topics=[stream], group="g", workers=4, poll_timeout=0.05,
+             retry=RetryPolicy(max_attempts=5, backoff=Backoff.fixed(0.05),
+                               local_retries=0)).run()
+""")
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_sigkilled_consumer_loses_nothing_and_dead_letters_once(
+    redis_url: str, real: tuple[Any, str], seed: int
+) -> None:
+    client, stream = real
+    broker = broker_on(client, visibility_timeout=0.5, claim_interval=0.05)
+    total = 60
+    for i in range(1, total + 1):
+        broker.publish(stream, str(i).encode())
+    child = subprocess.run([sys.executable, "-c", CHILD, redis_url, stream, str(seed)],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    done_by_child = {int(line.split()[1]) for line in child.stdout.splitlines()}
+    done_here: set[int] = set()
+
+    def handler(message: Message) -> None:
+        n = int(message.raw_body)
+        if n % 7 == 0:
+            raise ValueError("poison")
+        done_here.add(n)
+
+    def settled() -> bool:
+        return bool(client.xpending(stream, "g")["pending"] == 0
+                    and client.zcard(f"{stream}:delayed:g") == 0
+                    and client.xlen(f"{stream}:retry:g") == 0)
+
+    consumer = Consumer(broker, handler, topics=[stream], group="g", workers=2,
+                        poll_timeout=0.05,
+                        retry=RetryPolicy(max_attempts=1, backoff=Backoff.fixed(0.05)))
+    consumer.start()
+    try:
+        # What the child left (pending, delayed, in the retry stream) all comes back.
+        eventually(lambda: settled() and consumer.in_flight == 0, timeout=30,
+                   message="the child's leftovers settled")
+    finally:
+        consumer.stop(5)
+    poison = {n for n in range(1, total + 1) if n % 7 == 0}
+    assert done_by_child and done_here  # the crash split the work
+    assert done_by_child | done_here == set(range(1, total + 1)) - poison  # none lost
+    dead = [int(d.message.raw_body) for d in broker.list_dead_letters(stream, "g")]
+    assert sorted(dead) == sorted(poison)  # each dead-lettered exactly once
+    assert client.xinfo_groups(stream)[0]["lag"] == 0  # nothing left unread
+
+
+@pytest.mark.redis
+def test_a_killed_consumers_deliveries_are_claimed_with_their_delivery_count(
+    redis_url: str, real: tuple[Any, str]
+) -> None:
+    client, stream = real
+    broker = broker_on(client, visibility_timeout=0.5, claim_interval=0.05)
+    for i in range(3):
+        broker.publish(stream, f"m{i}".encode())
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from msgpatterns.brokers import RedisStreamsBroker
+            broker = RedisStreamsBroker({redis_url!r})
+            got = []
+            while len(got) < 3:
+                got += broker.fetch([{stream!r}], "g", max_messages=3, timeout=1)
+            print("holding", flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    got = drain(broker, stream, "g", count=3, within=10)
+    assert sorted(m.raw_body for m in got) == [b"m0", b"m1", b"m2"]
+    assert {m.attempt for m in got} == {2}
+    for m in got:
+        broker.ack(m)
+    assert client.xpending(stream, "g")["pending"] == 0
