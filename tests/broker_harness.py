@@ -238,6 +238,10 @@ class KafkaHarness(Harness):
         self.cluster = kafka_cluster()
         super().__init__(unique)
 
+    @property
+    def url(self) -> str:
+        return str(self.cluster.url)
+
     def _make(self) -> Any:
         from msgpatterns.brokers import KafkaBroker
 

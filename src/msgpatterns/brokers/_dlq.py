@@ -31,6 +31,8 @@ class DeadLetterAdmin(Protocol):
     def purge_dead_letters(self, topic: str, group: str | None = None,
                            ids: Collection[str] | None = None) -> int: ...
 
+    def close(self) -> None: ...
+
 
 def selected(record: DeadLetter, group: str | None, ids: Collection[str] | None) -> bool:
     """True if ``record`` belongs to ``group`` (any group if None) and is one of ``ids``
