@@ -51,6 +51,7 @@ def test_a_retry_reaches_only_the_group_that_nacked_it(fake: Any) -> None:
     assert (retry.raw_body, retry.attempt, retry.id) == (b"x", 2, mine.id)
     assert drain(broker, "s", "g2", within=0.2) == []
     broker.ack(retry)
+    broker.flush()
     assert fake.xlen("s:retry:g1") == 0  # settled retry entries are deleted
 
 
@@ -66,7 +67,41 @@ def test_a_nack_after_another_consumer_claimed_the_delivery_does_nothing(fake: A
     assert fake.xlen("s:retry:g") == 0 and fake.zcard("s:delayed:g") == 0
     assert not fake.exists("s:dlq")
     rescuer.ack(claimed)
+    rescuer.flush()
     assert fake.xpending("s", "g")["pending"] == 0
+
+
+def test_acks_are_batched_and_reach_redis_within_the_flush_interval(fake: Any) -> None:
+    batched = broker_on(fake, ack_flush_interval=0.05)
+    for i in range(3):
+        batched.publish("s", str(i).encode())
+    got = drain(batched, "s", "g", count=3)
+    for m in got:
+        batched.ack(m)
+    assert fake.xpending("s", "g")["pending"] == 3  # queued, not sent yet
+    eventually(lambda: fake.xpending("s", "g")["pending"] == 0, timeout=5,
+               message="the flusher sends the queued acks")
+
+    direct = broker_on(fake, ack_flush_interval=0)
+    direct.publish("s", b"3")
+    [m] = drain(direct, "s", "g2", count=4)[-1:]
+    direct.ack(m)
+    assert fake.xpending("s", "g2")["pending"] == 3  # only that one was acked, at once
+    batched.close()
+    direct.close()
+
+
+def test_queued_acks_lost_in_a_crash_mean_redelivery_not_loss(fake: Any) -> None:
+    dying = broker_on(fake, ack_flush_interval=60, visibility_timeout=0.05,
+                      claim_interval=0.01)
+    dying.publish("s", b"x")
+    [m] = drain(dying, "s", "g", count=1)
+    dying.ack(m)  # queued; the process dies before it is sent
+    survivor = broker_on(fake, visibility_timeout=0.05, claim_interval=0.01)
+    [again] = drain(survivor, "s", "g", count=1, within=5)
+    assert again.raw_body == b"x" and again.attempt == 2
+    survivor.close()
+    dying.close()
 
 
 def _record(message: Message) -> Any:
@@ -237,4 +272,5 @@ def test_a_killed_consumers_deliveries_are_claimed_with_their_delivery_count(
     assert {m.attempt for m in got} == {2}
     for m in got:
         broker.ack(m)
+    broker.flush()
     assert client.xpending(stream, "g")["pending"] == 0

@@ -22,6 +22,11 @@ Guarantees:
   consumer meanwhile does nothing.
 * Retries are never delivered before their delay (Redis server time) and reach only
   the group that nacked them.
+* Acks are batched: :meth:`RedisStreamsBroker.ack` queues the ack, and queued acks go
+  to Redis in one round trip at the next fetch, when ``ack_batch`` are queued, or
+  ``ack_flush_interval`` seconds later (and on :meth:`RedisStreamsBroker.close`). A
+  crash loses at most that window of acks: those messages are redelivered (at least
+  once), never lost. ``ack_flush_interval=0`` sends each ack at once.
 
 Trimming: ``maxlen`` caps ``S`` on publish (approximate ``MAXLEN ~``). Redis trims
 regardless of consumer groups, so a cap below the backlog drops unread or pending
@@ -54,6 +59,8 @@ from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.message import Message
 
 redis = require("redis", "redis")
+
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 __all__ = ["RedisStreamsBroker"]
 
@@ -123,7 +130,7 @@ return {r[1], entries, r[3] or {}}
 """
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Receipt:
     stream: str
     entry_id: str
@@ -144,7 +151,7 @@ def _pack(parts: Sequence[bytes]) -> bytes:
 def _fields(raw: Any) -> dict[str, Any]:
     """An entry's fields (a dict from XREADGROUP, a flat list from a script)."""
     if isinstance(raw, dict):
-        return {codec.text(k): v for k, v in raw.items()}
+        return {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
     return {codec.text(raw[i]): raw[i + 1] for i in range(0, len(raw) - 1, 2)}
 
 
@@ -164,6 +171,10 @@ class RedisStreamsBroker:
         dead_letter_maxlen: approximate cap of each dead-letter stream (None).
         start_id: where a new group starts reading: ``"0"`` (the whole stream, the
             default) or ``"$"`` (only messages added from now on).
+        ack_flush_interval: longest an ack waits in the batch (seconds; 0: no batch).
+        ack_batch: queued acks that trigger a flush.
+        promote_interval: how often a fetch moves due delayed retries into the retry
+            stream (seconds; a retry is at most this late).
     """
 
     def __init__(
@@ -176,6 +187,9 @@ class RedisStreamsBroker:
         maxlen: int | None = None,
         dead_letter_maxlen: int | None = None,
         start_id: str = "0",
+        ack_flush_interval: float = 0.05,
+        ack_batch: int = 256,
+        promote_interval: float = 0.05,
     ) -> None:
         if visibility_timeout <= 0:
             raise ValueError("visibility_timeout must be positive")
@@ -205,9 +219,18 @@ class RedisStreamsBroker:
         self._cursors: dict[tuple[str, str], bytes] = {}
         self._overflow: list[Message] = []
         self._retrying = reconnecting(
-            (redis.ConnectionError, redis.TimeoutError), logger=log, what="redis call",
-            attempts=5, max_wait=2.0,
+            _CONNECTION_ERRORS, logger=log, what="redis call", attempts=5, max_wait=2.0,
         )
+        self.promote_interval = promote_interval
+        self._promote_at: dict[tuple[str, str], float] = {}
+        self._next_due: dict[tuple[str, str], float] = {}
+        self.ack_flush_interval = ack_flush_interval
+        self.ack_batch = max(1, ack_batch)
+        self._acks: list[_Receipt] = []
+        self._ack_lock = threading.Lock()
+        self._ack_wake = threading.Event()
+        self._closed = threading.Event()
+        self._flusher: threading.Thread | None = None
 
     # -- key names ------------------------------------------------------------------
 
@@ -241,7 +264,7 @@ class RedisStreamsBroker:
     ) -> str:
         """Add a message to stream ``topic``; returns its entry id."""
         fields = self._entry(body_bytes(body), codec.wire_headers(headers, key=key))
-        entry_id = self._retrying(
+        entry_id = self._call(
             self._redis.xadd, topic, fields, maxlen=self.maxlen, approximate=True
         )
         return codec.text(entry_id)
@@ -262,12 +285,17 @@ class RedisStreamsBroker:
         if isinstance(topics, str):
             topics = [topics]
         self._ensure_groups(topics, group)
+        self.flush()
         out = self._take_overflow(topics, group, max_messages)
         wait = timeout
+        now = time.monotonic()
         for topic in topics:
-            until_due = self._retrying(self._promote, topic, group, max(max_messages, 100))
-            if until_due is not None:
-                wait = min(wait, until_due)
+            slot = (topic, group)
+            if now >= self._promote_at.get(slot, 0.0):
+                self._promote(topic, group, max(max_messages, 100), now)
+            due = self._next_due.get(slot)
+            if due is not None:  # block no longer than until a known retry is due
+                wait = min(wait, max(0.0, due - now))
         if len(out) < max_messages:
             out.extend(self._claim_stale(topics, group, max_messages - len(out)))
         remaining = max_messages - len(out)
@@ -281,17 +309,27 @@ class RedisStreamsBroker:
         return out
 
     def ack(self, message: Message) -> None:
+        """Queue the ack (see the batching note above); :meth:`flush` sends it now."""
         r = self._receipt(message)
-        if r.retry:
-            def settle() -> None:
-                pipe = self._redis.pipeline(transaction=True)
-                pipe.xack(r.stream, r.group, r.entry_id)
-                pipe.xdel(r.stream, r.entry_id)
-                pipe.execute()
+        if self.ack_flush_interval <= 0:
+            self._send_acks([r])
+            return
+        with self._ack_lock:
+            self._acks.append(r)
+            full = len(self._acks) >= self.ack_batch
+            if self._flusher is None and not self._closed.is_set():
+                self._flusher = threading.Thread(target=self._flush_periodically,
+                                                 name=f"{self.consumer}-acks", daemon=True)
+                self._flusher.start()
+        if full:
+            self.flush()
 
-            self._retrying(settle)
-        else:
-            self._retrying(self._redis.xack, r.stream, r.group, r.entry_id)
+    def flush(self) -> None:
+        """Send every queued ack to Redis now."""
+        with self._ack_lock:
+            batch, self._acks = self._acks, []
+        if batch:
+            self._send_acks(batch)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds, to this group only, with ``attempt + 1``,
@@ -299,6 +337,7 @@ class RedisStreamsBroker:
         self._redeliver(message, delay)
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None = None) -> None:
+        """Move the delivery to the retry path (the delayed set when ``delay`` > 0)."""
         r = self._receipt(message)
         fields = self._entry(
             body_bytes(message.raw_body),
@@ -310,6 +349,10 @@ class RedisStreamsBroker:
             member = _pack([f"{r.stream}/{r.entry_id}".encode(), *flat])
             moved = self._move(r, self.delayed_set(r.topic, r.group), "zset",
                                [member], delay_ms=max(1, round(delay * 1000)))
+            due = time.monotonic() + delay
+            slot = (r.topic, r.group)
+            self._next_due[slot] = min(self._next_due.get(slot, due), due)
+            self._promote_at[slot] = min(self._promote_at.get(slot, due), due)
         else:
             moved = self._move(r, retry, "stream", fields)
         if not moved:
@@ -331,6 +374,11 @@ class RedisStreamsBroker:
             unused, self._overflow = self._overflow, []
         for message in unused:
             self._redeliver(message, 0.0, attempt=message.attempt)
+        self._closed.set()
+        self._ack_wake.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=5)
+        self.flush()
         if self._owns_client:
             self._redis.close()
 
@@ -383,6 +431,39 @@ class RedisStreamsBroker:
 
     # -- internals --------------------------------------------------------------------
 
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, retried with backoff if the connection fails."""
+        try:
+            return fn(*args, **kwargs)
+        except _CONNECTION_ERRORS:
+            log.warning("redis call failed; retrying", exc_info=True)
+            return self._retrying(fn, *args, **kwargs)
+
+    def _flush_periodically(self) -> None:
+        while not self._closed.is_set():
+            self._ack_wake.wait(self.ack_flush_interval)
+            try:
+                self.flush()
+            except Exception:
+                log.exception("%s: sending acks failed; those messages will be "
+                              "redelivered", self.consumer)
+
+    def _send_acks(self, batch: Sequence[_Receipt]) -> None:
+        """One round trip: XACK per stream (and XDEL for retry-stream entries)."""
+        by_stream: dict[tuple[str, str, bool], list[str]] = {}
+        for r in batch:
+            by_stream.setdefault((r.stream, r.group, r.retry), []).append(r.entry_id)
+
+        def send() -> None:
+            pipe = self._redis.pipeline(transaction=True)
+            for (stream, group, retry), ids in by_stream.items():
+                pipe.xack(stream, group, *ids)
+                if retry:
+                    pipe.xdel(stream, *ids)
+            pipe.execute()
+
+        self._call(send)
+
     @staticmethod
     def _entry(body: bytes, headers: Mapping[str, str]) -> dict[str, Any]:
         fields: dict[str, Any] = {"body": body}
@@ -396,22 +477,31 @@ class RedisStreamsBroker:
                 if (stream, group) in self._groups:
                     continue
                 try:
-                    self._retrying(self._redis.xgroup_create, stream, group,
-                                   id=self.start_id, mkstream=True)
+                    self._call(self._redis.xgroup_create, stream, group,
+                               id=self.start_id, mkstream=True)
                 except redis.ResponseError as exc:
                     if "BUSYGROUP" not in str(exc):
                         raise
                 self._groups.add((stream, group))
 
-    def _promote(self, topic: str, group: str, limit: int) -> float | None:
-        """Move due retries into the retry stream; seconds until the next one is due."""
-        moved, until_due = self._promote_script(
+    def _promote(self, topic: str, group: str, limit: int, now: float) -> None:
+        """Move due retries into the retry stream; note when (monotonic) to look again
+        (after ``promote_interval``, or when the next delayed retry is due)."""
+        moved, until_due = self._call(
+            self._promote_script,
             keys=[self.delayed_set(topic, group), self.retry_stream(topic, group)],
             args=[limit],
         )
         if int(moved):
             log.debug("%s: %d delayed retries of %s due", group, int(moved), topic)
-        return None if int(until_due) < 0 else int(until_due) / 1000
+        again = now + self.promote_interval
+        if int(until_due) >= 0:
+            due = now + int(until_due) / 1000
+            self._next_due[(topic, group)] = due
+            again = min(again, due)
+        else:
+            self._next_due.pop((topic, group), None)
+        self._promote_at[(topic, group)] = again
 
     def _claim_stale(self, topics: Sequence[str], group: str, limit: int) -> list[Message]:
         out: list[Message] = []
@@ -422,7 +512,7 @@ class RedisStreamsBroker:
                 if now < self._claim_at.get(slot, 0.0) or len(out) >= limit:
                     continue
                 self._claim_at[slot] = now + self.claim_interval
-                cursor, entries, deleted = self._retrying(
+                cursor, entries, deleted = self._call(
                     self._claim_script,
                     keys=[stream],
                     args=[group, self.consumer, int(self.visibility_timeout * 1000),
@@ -449,8 +539,8 @@ class RedisStreamsBroker:
             streams[topic] = ">"
             origin[retry_key] = (topic, True)
             origin[topic] = (topic, False)
-        reply = self._retrying(self._redis.xreadgroup, group, self.consumer, streams,
-                               count=count, block=block)
+        reply = self._call(self._redis.xreadgroup, group, self.consumer, streams,
+                           count=count, block=block)
         out: list[Message] = []
         for stream_name, entries in reply or []:
             stream = codec.text(stream_name)
@@ -468,16 +558,21 @@ class RedisStreamsBroker:
         body = fields.get("body")
         if body is None:  # an entry from a producer that does not use msgpatterns
             body = json.dumps({k: codec.text(v) for k, v in fields.items()}).encode()
-        t = codec.split_transport(codec.loads_headers(fields.get("headers")))
-        message = Message(
-            _b(body),
-            id=t.id or eid,
-            key=t.key,
-            topic=topic,
-            headers=t.headers,
-            timestamp=t.timestamp or int(eid.split("-", 1)[0]) / 1000,
-            attempt=codec.attempt_of(t.headers, deliveries - 1),
-        )
+        raw_headers = fields.get("headers")
+        if raw_headers is None:  # the common case, kept cheap
+            message = Message(_b(body), id=eid, topic=topic,
+                              timestamp=int(eid.split("-", 1)[0]) / 1000, attempt=deliveries)
+        else:
+            t = codec.split_transport(codec.loads_headers(raw_headers))
+            message = Message(
+                _b(body),
+                id=t.id or eid,
+                key=t.key,
+                topic=topic,
+                headers=t.headers,
+                timestamp=t.timestamp or int(eid.split("-", 1)[0]) / 1000,
+                attempt=codec.attempt_of(t.headers, deliveries - 1),
+            )
         message.receipt = _Receipt(stream, eid, group, topic, retry)
         return message
 
@@ -501,7 +596,7 @@ class RedisStreamsBroker:
         values = fields if isinstance(fields, list) else [
             x for pair in fields.items() for x in pair
         ]
-        result = self._retrying(
+        result = self._call(
             self._settle_script,
             keys=[r.stream, target],
             args=[r.group, self.consumer, r.entry_id, "1" if r.retry else "0", mode,
