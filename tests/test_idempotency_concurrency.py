@@ -15,7 +15,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ SQL_STORES = [
 CRASHED = 17
 
 
-def processes() -> BaseContext:
+def processes() -> ForkServerContext:
     """Fork children from a server that imported this module once (fast, thread-safe)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
