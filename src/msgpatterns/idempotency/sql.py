@@ -39,9 +39,13 @@ class SqlStore:
             self._owns_engine = False
         self.table: DedupTable = DedupTable(self.engine, table)
         self.clock = clock
+        dbapi = self.engine.dialect.loaded_dbapi
         self.transient: tuple[type[BaseException], ...] = (
             sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError,
             sa.exc.TimeoutError,
+            # raised unwrapped by a few driver calls SQLAlchemy makes outside statements
+            # (setting autocommit on a connection the server has just dropped)
+            dbapi.OperationalError, dbapi.InterfaceError,
         )
 
     def now_ms(self) -> int:
