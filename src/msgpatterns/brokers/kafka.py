@@ -260,11 +260,15 @@ class KafkaBroker:
 
     def commit(self) -> dict[tuple[str, str, int], int]:
         """Commit every group's settled prefix now (synchronously); returns the
-        committed positions by ``(group, topic, partition)``."""
+        committed position of every assigned partition that has one, by
+        ``(group, topic, partition)``."""
         out: dict[tuple[str, str, int], int] = {}
         for group, state in list(self._groups.items()):
-            for tp in self._commit(state, asynchronous=False):
-                out[(group, tp.topic, tp.partition)] = tp.offset
+            self._commit(state, asynchronous=False)
+            with self._lock:
+                for (topic, partition), tracker in state.trackers.items():
+                    if tracker.committed is not None:
+                        out[(group, topic, partition)] = tracker.committed
         return out
 
     def close(self) -> None:
