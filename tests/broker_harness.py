@@ -9,6 +9,11 @@ or client library is missing.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -60,6 +65,32 @@ def require_library(module: str, what: str) -> None:
         if services.services_required():
             pytest.fail(f"MSGPATTERNS_REQUIRE_SERVICES=1 but {reason}", pytrace=False)
         pytest.skip(reason)
+
+
+def sigkill_while_holding(broker_code: str, topic: str, group: str, count: int) -> None:
+    """Run a child process that builds a broker (``broker_code`` is an expression),
+    fetches ``count`` deliveries of ``topic`` for ``group`` and holds them; SIGKILL it
+    while it holds them. Returns once it is dead."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from msgpatterns.brokers import *
+            broker = {broker_code}
+            got = []
+            while len(got) < {count}:
+                got += broker.fetch([{topic!r}], {group!r}, max_messages={count},
+                                    timeout=1)
+            print("holding", len(got), flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == f"holding {count}"
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 class Harness:

@@ -4,12 +4,8 @@ buckets, and publishing where nobody listens."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
-import sys
-import textwrap
 import threading
 import uuid
 from collections.abc import Iterator
@@ -19,7 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_harness import delete_rabbitmq_topology, drain, eventually, require_library
+from broker_harness import (
+    delete_rabbitmq_topology,
+    drain,
+    eventually,
+    require_library,
+    sigkill_while_holding,
+)
 from msgpatterns import Consumer, Message
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(60)]
@@ -117,26 +119,7 @@ def test_a_killed_consumer_process_hands_its_deliveries_to_the_next(
     broker.subscribe(topic, group)
     for i in range(5):
         broker.publish(topic, f"m{i}".encode())
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import sys
-            from msgpatterns.brokers import RabbitMQBroker
-            broker = RabbitMQBroker({rabbitmq_url!r})
-            got = []
-            while len(got) < 5:
-                got += broker.fetch([{topic!r}], {group!r}, max_messages=5, timeout=5)
-            print("holding", len(got), flush=True)
-            sys.stdin.read()  # hold them until killed
-        """)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "holding 5"
-        assert drain(broker, topic, group, within=0.5) == []  # all five held by the child
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+    sigkill_while_holding(f"RabbitMQBroker({rabbitmq_url!r})", topic, group, 5)
     got = drain(broker, topic, group, count=5, within=20)
     assert sorted(m.raw_body for m in got) == [f"m{i}".encode() for i in range(5)]
     assert {m.attempt for m in got} == {2}

@@ -5,7 +5,6 @@ Redis): nothing is lost and nothing is both acked and retried."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from broker_harness import drain, eventually, require_library
+from broker_harness import drain, eventually, require_library, sigkill_while_holding
 from msgpatterns import Backoff, Consumer, Message, RetryPolicy
 
 pytestmark = pytest.mark.timeout(60)
@@ -249,24 +248,7 @@ def test_a_killed_consumers_deliveries_are_claimed_with_their_delivery_count(
     broker = broker_on(client, visibility_timeout=0.5, claim_interval=0.05)
     for i in range(3):
         broker.publish(stream, f"m{i}".encode())
-    child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import sys
-            from msgpatterns.brokers import RedisStreamsBroker
-            broker = RedisStreamsBroker({redis_url!r})
-            got = []
-            while len(got) < 3:
-                got += broker.fetch([{stream!r}], "g", max_messages=3, timeout=1)
-            print("holding", flush=True)
-            sys.stdin.read()
-        """)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
+    sigkill_while_holding(f"RedisStreamsBroker({redis_url!r})", stream, "g", 3)
     got = drain(broker, stream, "g", count=3, within=10)
     assert sorted(m.raw_body for m in got) == [b"m0", b"m1", b"m2"]
     assert {m.attempt for m in got} == {2}
