@@ -274,3 +274,24 @@ def test_crash_with_the_transactional_checker_applies_the_effect_exactly_once(
             assert paid() == ["order-1"]
         finally:
             table.drop(checker.engine)
+
+
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+def test_crash_with_a_completion_still_queued_by_write_behind_is_at_least_once(
+    store: str, tmp_path: Path,
+) -> None:
+    effects = str(tmp_path / "effects.db")
+    with checker_for(store, tmp_path, lease=0.5, write_behind=0.4) as checker:
+        assert run_children(crash_in_process, [(checker.spec(), effects, "", "after")]) \
+            == [CRASHED]  # the handler returned; its completion was only queued
+
+        @idempotent(checker, key=lambda key: key, group="crash")
+        def redelivered(key: str) -> None:
+            write_effect(key, None, effects, "")
+
+        with pytest.raises(InProgress) as early:
+            redelivered("order-1")
+        assert early.value.delay is not None
+        time.sleep(early.value.delay + 0.05)
+        redelivered("order-1")
+    assert count_effects(effects) == 2  # the queued completion died with the process

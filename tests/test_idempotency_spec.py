@@ -29,16 +29,17 @@ POLICY = StorePolicy(attempts=5, wait=0.2, max_wait=2.0, unavailable_delay=30.0)
 def test_a_sql_checker_round_trips_with_its_options(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'dedup.db'}"
     original = SqlChecker(url, "orders_dedup", ttl=3600, lease=12, namespace="shop",
-                          policy=POLICY)
+                          policy=POLICY, write_behind=0.01)
     spec = pickle.loads(pickle.dumps(original.spec()))
     assert spec == CheckerSpec("sql", url, {
         "table": "orders_dedup", "ttl": 3600.0, "lease": 12.0, "namespace": "shop",
         "policy": {"attempts": 5, "wait": 0.2, "max_wait": 2.0, "unavailable_delay": 30.0},
+        "write_behind": 0.01,
     })
     rebuilt = checker_from_spec(spec)
     assert isinstance(rebuilt, SqlChecker)
-    assert (rebuilt.ttl, rebuilt.lease, rebuilt.namespace, rebuilt.policy) == \
-        (3600.0, 12.0, "shop", POLICY)
+    assert (rebuilt.ttl, rebuilt.lease, rebuilt.namespace, rebuilt.policy,
+            rebuilt.write_behind) == (3600.0, 12.0, "shop", POLICY, 0.01)
     claim = original.claim("o-1", group="g")
     assert rebuilt.claim("o-1", group="g").status is Status.IN_PROGRESS  # same store
     original.complete(claim)

@@ -27,6 +27,7 @@ commits the dedup record with the effect and so applies it exactly once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -46,6 +47,7 @@ from msgpatterns.errors import (
 from msgpatterns.idempotency.keys import KeyBuilder
 from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
 from msgpatterns.idempotency.records import DONE, Claim, IdempotencyStats, Record, Status
+from msgpatterns.idempotency.write_behind import WriteBehind
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.spec import CheckerSpec
@@ -68,9 +70,24 @@ log = logging.getLogger("msgpatterns.idempotency")
 R = TypeVar("R")
 
 
-def new_token() -> str:
-    """A fresh owner token (128 random bits, 32 hex characters)."""
-    return os.urandom(16).hex()
+class _Tokens:
+    """Owner tokens: 64 random bits per process (drawn again after a fork) and a
+    64-bit counter; 32 hex characters, unique without a system call per token."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+#: A fresh owner token, unique across processes and hosts.
+new_token = _Tokens()
 
 
 class ClaimRequest(NamedTuple):
@@ -266,6 +283,7 @@ class LeaseChecker(ABC):
         lease: float | timedelta,
         max_key_bytes: int | None,
         policy: StorePolicy | None,
+        write_behind: float | timedelta | None = None,
     ) -> None:
         self.ttl = seconds(ttl) or 0.0
         self.lease = seconds(lease) or 0.0
@@ -275,6 +293,11 @@ class LeaseChecker(ABC):
         self.keys = KeyBuilder(namespace, max_key_bytes)
         self.policy = policy if policy is not None else StorePolicy()
         self.stats = IdempotencyStats()
+        interval = seconds(write_behind)
+        if interval is not None and not 0 < interval < self.lease:
+            raise ConfigurationError("write_behind must be positive and shorter than the lease")
+        self.write_behind = interval
+        self._behind = WriteBehind(self, interval) if interval is not None else None
 
     # -- store I/O --------------------------------------------------------------------
 
@@ -308,8 +331,8 @@ class LeaseChecker(ABC):
     def spec(self) -> CheckerSpec:
         """A picklable description of this checker."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook, a no-op for most stores
-        """Release connections this checker created (nothing by default)."""
+    def _close(self) -> None:  # noqa: B027 - optional hook, a no-op for most stores
+        """Release the store connections this checker created."""
 
     # -- public API -------------------------------------------------------------------
 
@@ -388,6 +411,12 @@ class LeaseChecker(ABC):
         (unless ``fail_open``), and whatever ``call`` raises (after releasing the key).
         """
         store_key = self.keys.build(key, group)
+        queued = self._behind.pending(store_key) if self._behind is not None else None
+        if queued is not None:  # done here, its completion not written yet
+            conflict = fingerprint is not None and queued.fingerprint not in (None, fingerprint)
+            status = Status.CONFLICT if conflict else Status.DONE
+            count_claims(self.stats, (Claim(store_key, status),))
+            return skip_or_raise(self, Claim(store_key, status))
         try:
             claim = self._claim(store_key, fingerprint)
         except StoreUnavailable as exc:
@@ -400,6 +429,8 @@ class LeaseChecker(ABC):
         except BaseException:
             self._release_quietly(claim)
             raise
+        if self._behind is not None and self._behind.add(claim):
+            return Executed(True, result, claim)
         try:
             self.complete(claim)
         except StoreUnavailable as exc:
@@ -408,6 +439,16 @@ class LeaseChecker(ABC):
                 "expire and a duplicate delivered after that applies it again", store_key, exc,
             )
         return Executed(True, result, claim)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write every completion queued by ``write_behind``; False on timeout."""
+        return self._behind.flush(timeout) if self._behind is not None else True
+
+    def close(self) -> None:
+        """Write queued completions, then release connections this checker created."""
+        if self._behind is not None:
+            self._behind.close()
+        self._close()
 
     def _release_quietly(self, claim: Claim) -> None:
         try:

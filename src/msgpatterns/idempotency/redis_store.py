@@ -105,6 +105,10 @@ class RedisChecker(LeaseChecker):
         lease: seconds a claim holds a key; a crashed owner's key is free after it.
         max_key_bytes: longer keys are stored as their SHA-256.
         policy: retries and the NeedRetry delay when Redis is unreachable.
+        write_behind: seconds within which a guarded call's completion is written in
+            the background (one round trip per message instead of two; see
+            :mod:`msgpatterns.idempotency.write_behind`). None (default): complete
+            before returning.
 
     Crash semantics: at-least-once. If the process dies after the handler's effect and
     before completion, the key frees itself when the lease expires and the redelivered
@@ -120,10 +124,11 @@ class RedisChecker(LeaseChecker):
         *,
         max_key_bytes: int = 512,
         policy: StorePolicy | None = None,
+        write_behind: float | timedelta | None = None,
     ) -> None:
         redis_module = require("redis", "redis")
         super().__init__(namespace=namespace, ttl=ttl, lease=lease,
-                         max_key_bytes=max_key_bytes, policy=policy)
+                         max_key_bytes=max_key_bytes, policy=policy, write_behind=write_behind)
         exc = redis_module.exceptions
         self.transient = (exc.ConnectionError, exc.TimeoutError, exc.BusyLoadingError,
                           exc.ReadOnlyError, exc.TryAgainError, OSError)
@@ -215,9 +220,9 @@ class RedisChecker(LeaseChecker):
         return CheckerSpec("redis", self.url or _url_of(self.client), {
             "namespace": self.namespace, "ttl": self.ttl, "lease": self.lease,
             "max_key_bytes": self.keys.max_bytes, "policy": policy_options(self.policy),
+            "write_behind": self.write_behind,
         })
 
-    def close(self) -> None:
-        """Close the client if this checker created it."""
+    def _close(self) -> None:
         if self._owns_client:
             self.client.close()

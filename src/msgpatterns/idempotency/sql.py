@@ -94,9 +94,6 @@ class SqlMaintenance:
         """How many records :meth:`purge` would delete now."""
         return self.store.table.count_expired(self.store.cutoff(older_than))
 
-    def close(self) -> None:
-        """Dispose of the engine if this checker created it."""
-        self.store.close()
 
 
 class SqlChecker(SqlMaintenance, LeaseChecker):
@@ -115,6 +112,9 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         policy: retries and the NeedRetry delay when the database is unreachable.
         clock: seconds since the epoch (default ``time.time``); every consumer's clock
             must agree to well under the lease (NTP).
+        write_behind: seconds within which a guarded call's completion is written in
+            the background, batched (see :mod:`msgpatterns.idempotency.write_behind`).
+            None (default): complete before returning.
 
     Crash semantics: at-least-once. The dedup row is committed separately from the
     handler's effect, so a crash between the two leaves the key PROCESSING until its
@@ -132,12 +132,13 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         namespace: str = "msgpatterns",
         policy: StorePolicy | None = None,
         clock: Callable[[], float] = time.time,
+        write_behind: float | timedelta | None = None,
     ) -> None:
         self.store = SqlStore(engine_or_url, table, clock)
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
         super().__init__(namespace=namespace, ttl=ttl, lease=lease,
-                         max_key_bytes=KEY_BYTES, policy=policy)
+                         max_key_bytes=KEY_BYTES, policy=policy, write_behind=write_behind)
         self.transient = self.store.transient
         self.engine = self.store.engine
         # one statement per call, each atomic on its own: no transaction round trips
@@ -169,5 +170,9 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         options: dict[str, Any] = {
             "table": self.store.table.name, "ttl": self.ttl, "lease": self.lease,
             "namespace": self.namespace, "policy": policy_options(self.policy),
+            "write_behind": self.write_behind,
         }
         return CheckerSpec("sql", self.store.url(), options)
+
+    def _close(self) -> None:
+        self.store.close()

@@ -226,6 +226,10 @@ class TransactionalSqlChecker(SqlMaintenance):
             "policy": policy_options(self.policy),
         })
 
+    def close(self) -> None:
+        """Dispose of the engine if this checker created it."""
+        self.store.close()
+
     def __repr__(self) -> str:
         return (f"TransactionalSqlChecker(table={self.store.table.name!r}, "
                 f"namespace={self.namespace!r}, ttl={self.ttl:g})")

@@ -1,0 +1,93 @@
+"""Write-behind completion: mark keys DONE in background batches, off the handler's path.
+
+With it, a guarded call costs one store round trip (the claim) instead of two: the
+completion is queued and written within ``interval`` seconds, many per round trip.
+Until then the key stays PROCESSING under the caller's token, so a duplicate from
+another process is told ``InProgress`` (and comes back later to find it DONE), and a
+duplicate in this process is skipped at once.
+
+The trade-off: if the process dies within ``interval`` after a handler returned, that
+key's completion is lost; its lease expires and a later duplicate is processed again.
+Without write-behind the same can happen, but only in the one round trip between the
+effect and its completion. Either way the effect is never lost (at-least-once).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from msgpatterns.errors import StoreUnavailable
+from msgpatterns.idempotency.records import Claim
+
+if TYPE_CHECKING:
+    from msgpatterns.batching import Flusher
+    from msgpatterns.idempotency.base import LeaseChecker
+
+__all__ = ["WriteBehind"]
+
+log = logging.getLogger("msgpatterns.idempotency")
+
+BATCH = 100
+QUEUE = 10_000
+
+
+class WriteBehind:
+    """Queues a checker's completions and writes them with ``complete_many``."""
+
+    def __init__(self, checker: LeaseChecker, interval: float) -> None:
+        self.checker = checker
+        self.interval = interval
+        self._pending: dict[str, Claim] = {}
+        self._flusher: Flusher[Claim] | None = None
+        self._lock = threading.Lock()
+
+    def pending(self, key: str) -> Claim | None:
+        """The queued completion of ``key``, if any (that key is done, not written yet)."""
+        return self._pending.get(key)
+
+    def add(self, claim: Claim) -> bool:
+        """Queue ``claim``'s completion; False when the queue is full (complete it now)."""
+        self._pending[claim.key] = claim
+        if self._started().add(claim):
+            return True
+        self._pending.pop(claim.key, None)
+        return False
+
+    def _started(self) -> Flusher[Claim]:
+        flusher = self._flusher
+        if flusher is None:
+            with self._lock:
+                if self._flusher is None:
+                    from msgpatterns.batching import Flusher
+
+                    self._flusher = Flusher(
+                        "msgpatterns-complete", BATCH, self.interval, QUEUE, 1, self._write,
+                    )
+                    atexit.register(self._flusher.close)
+                flusher = self._flusher
+        return flusher
+
+    def _write(self, claims: list[Claim]) -> None:
+        try:
+            self.checker.complete_many(claims)
+        except StoreUnavailable as exc:
+            log.error("%d completion(s) not recorded (%s); their leases will expire and "
+                      "duplicates delivered after that are applied again", len(claims), exc)
+        finally:
+            for claim in claims:
+                if self._pending.get(claim.key) is claim:
+                    self._pending.pop(claim.key, None)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write every queued completion; False if ``timeout`` ran out first."""
+        return self._flusher.flush(timeout) if self._flusher is not None else True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Write every queued completion and stop the writer thread."""
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.close(timeout)
+            atexit.unregister(flusher.close)
