@@ -1,0 +1,66 @@
+"""Exactly-once ``foreachBatch`` sinks for Spark Structured Streaming.
+
+* :func:`idempotent_batch` with a :class:`BatchLedger` - skip a micro-batch the sink
+  already wrote (Spark re-runs the last batch after a driver crash).
+* :func:`upsert_latest` - the newest version of each key to a SQL table, written from
+  the executors; re-runs and half-written batches are harmless.
+* :func:`dedup_rows` - drop rows a Redis or SQL checker has seen DONE (sources that
+  resend), and mark the rest once written.
+
+Executors receive URLs and options, never live connections. Needs the ``[spark]``
+extra (PySpark, SQLAlchemy); nothing is imported until first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from msgpatterns.spark.batch import (
+        BatchStats,
+        IdempotentBatch,
+        idempotent_batch,
+        streaming_query_id,
+    )
+    from msgpatterns.spark.dedup import DedupedRows, DedupStats, dedup_rows
+    from msgpatterns.spark.ledger import BatchLedger
+    from msgpatterns.spark.resources import SqlSpec
+    from msgpatterns.spark.upsert import UpsertResult, upsert_latest
+
+__all__ = [
+    "BatchLedger",
+    "BatchStats",
+    "DedupStats",
+    "DedupedRows",
+    "IdempotentBatch",
+    "SqlSpec",
+    "UpsertResult",
+    "dedup_rows",
+    "idempotent_batch",
+    "streaming_query_id",
+    "upsert_latest",
+]
+
+_LAZY = {
+    "BatchLedger": "msgpatterns.spark.ledger",
+    "BatchStats": "msgpatterns.spark.batch",
+    "IdempotentBatch": "msgpatterns.spark.batch",
+    "idempotent_batch": "msgpatterns.spark.batch",
+    "streaming_query_id": "msgpatterns.spark.batch",
+    "DedupStats": "msgpatterns.spark.dedup",
+    "DedupedRows": "msgpatterns.spark.dedup",
+    "dedup_rows": "msgpatterns.spark.dedup",
+    "SqlSpec": "msgpatterns.spark.resources",
+    "UpsertResult": "msgpatterns.spark.upsert",
+    "upsert_latest": "msgpatterns.spark.upsert",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'msgpatterns.spark' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

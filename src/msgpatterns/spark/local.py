@@ -1,0 +1,57 @@
+"""A small local SparkSession for demos, examples, tests and benchmarks.
+
+Local mode, offline: no UI, no console progress bar, few shuffle partitions, quiet
+logs, and Python workers that run this interpreter (so they import the same
+packages as the driver).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from msgpatterns._extras import require
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["LOCAL_CONF", "local_spark"]
+
+#: Settings that keep a local session small and fast to start.
+LOCAL_CONF: dict[str, str] = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.log.level": "ERROR",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.adaptive.coalescePartitions.enabled": "false",
+    "spark.driver.memory": "1g",
+    # a short-lived JVM: the client compiler and the serial collector start fastest
+    "spark.driver.extraJavaOptions": "-XX:+UseSerialGC -XX:TieredStopAtLevel=1",
+}
+
+
+def local_spark(
+    master: str = "local[2]",
+    *,
+    app_name: str = "msgpatterns",
+    shuffle_partitions: int = 2,
+    conf: Mapping[str, Any] | None = None,
+) -> SparkSession:
+    """A local SparkSession (or the active one, reconfigured where Spark allows).
+
+    Sets ``PYSPARK_PYTHON`` to this interpreter unless it is set already: PySpark
+    starts its Python workers with that program (``python3`` otherwise, which may
+    lack the driver's packages).
+    """
+    require("pyspark", "spark")
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.master(master).appName(app_name)
+    settings = {**LOCAL_CONF, "spark.sql.shuffle.partitions": str(shuffle_partitions),
+                **{k: str(v) for k, v in (conf or {}).items()}}
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()

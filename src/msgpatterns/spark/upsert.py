@@ -1,0 +1,203 @@
+"""upsert_latest: write a DataFrame's newest version of each key to a SQL table.
+
+Inside the batch, Spark keeps one row per key: the highest version (ties broken by the
+other columns, so a re-run picks the same row). Executors then write their partitions
+in chunks with :meth:`VersionGuard.upsert_latest_many
+<msgpatterns.ordering.VersionGuard.upsert_latest_many>`: an existing row is replaced
+only by a strictly newer version. Re-running a batch, or the rest of a half-written
+one, therefore changes nothing that is already there - and versions arriving out of
+order, within a batch or across batches, leave the newest in the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+from msgpatterns._extras import require
+from msgpatterns.errors import ConfigurationError
+from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
+from msgpatterns.ordering.errors import MissingVersion
+from msgpatterns.spark.resources import SqlSpec, sql_transient_errors
+
+if TYPE_CHECKING:
+    from pyspark import Accumulator
+    from pyspark.sql import DataFrame, Row
+    from sqlalchemy import URL
+
+    from msgpatterns.ordering.version_guard import VersionGuard
+
+__all__ = ["UpsertResult", "upsert_latest"]
+
+# Helper columns of the per-key aggregate (names no user table is likely to have).
+_LATEST = "__msgpatterns_latest"
+_ROWS = "__msgpatterns_rows"
+_MISSING = "__msgpatterns_missing_version"
+
+
+@dataclass(frozen=True)
+class UpsertResult:
+    """What one :func:`upsert_latest` call did.
+
+    Attributes:
+        rows: rows in the DataFrame.
+        keys: distinct keys, i.e. rows sent to the database (the newest per key).
+        written: rows inserted or overwritten; ``keys - written`` were not newer than
+            what the table held (stale or replayed). Exact on PostgreSQL and SQLite;
+            on MySQL/MariaDB read from the stored versions just before each write.
+    """
+
+    rows: int
+    keys: int
+    written: int
+
+    @property
+    def stale(self) -> int:
+        """Keys whose version was not newer than the stored one (left unchanged)."""
+        return self.keys - self.written
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a partition writes: picklable, rebuilt in every worker process."""
+
+    sql: SqlSpec
+    table: str
+    schema: str | None
+    key: tuple[str, ...]
+    version: str
+    policy: StorePolicy
+
+    def guard(self) -> VersionGuard:
+        from msgpatterns.ordering.version_guard import VersionGuard
+
+        table = self.sql.table(self.table, self.schema)
+        return VersionGuard(table, key=list(self.key), version=self.version)
+
+
+class _WritePartition:
+    """The ``foreachPartition`` function: one connection, chunks of ``batch_size`` rows,
+    each chunk one statement in its own transaction (retried on a lost connection)."""
+
+    def __init__(self, target: _Target, batch_size: int,
+                 counters: tuple[Accumulator[int], Accumulator[int], Accumulator[int]]) -> None:
+        self.target = target
+        self.batch_size = batch_size
+        self.counters = counters
+
+    def __call__(self, rows: Iterator[Row]) -> None:
+        target = self.target
+        guard = target.guard()
+        transient = sql_transient_errors()
+        seen = keys = written = 0
+        pairs = (self._split(row) for row in rows)
+        with target.sql.engine().connect() as conn:
+            while chunk := list(islice(pairs, self.batch_size)):
+                records = [record for record, _ in chunk]
+
+                def write(records: list[dict[str, Any]] = records) -> int:
+                    with conn.begin():
+                        return guard.upsert_latest_many(conn, records)
+
+                written += call_with_retries(write, target.policy, transient,
+                                             what=f"upsert_latest into {target.table}")
+                keys += len(chunk)
+                seen += sum(count for _, count in chunk)
+        rows_counter, keys_counter, written_counter = self.counters
+        rows_counter.add(seen)
+        keys_counter.add(keys)
+        written_counter.add(written)
+
+    def _split(self, row: Row) -> tuple[dict[str, Any], int]:
+        """The row to write, and how many input rows it stands for."""
+        record = row.asDict()
+        missing = record.pop(_MISSING)
+        rows = record.pop(_ROWS)
+        if missing:
+            key = tuple(record[k] for k in self.target.key)
+            raise MissingVersion(
+                f"{missing} row(s) of key {key!r} have no {self.target.version!r}; "
+                "filter them out (to a dead-letter table, say) before upsert_latest"
+            )
+        return record, int(rows)
+
+
+def upsert_latest(
+    df: DataFrame,
+    url: str | URL,
+    table: str,
+    key: str | Sequence[str],
+    version: str,
+    batch_size: int = 1000,
+    *,
+    schema: str | None = None,
+    engine_options: Mapping[str, Any] | None = None,
+    policy: StorePolicy | None = None,
+) -> UpsertResult:
+    """Write the newest row of each key in ``df`` to ``table``, unless the table holds
+    that version or a newer one already.
+
+    Args:
+        df: the rows (a micro-batch inside ``foreachBatch``, or any DataFrame). Its
+            columns must be columns of ``table``.
+        url: SQLAlchemy URL of PostgreSQL, MySQL/MariaDB or SQLite (a file). Executors
+            connect with it; credentials travel with the job.
+        table: an existing table whose ``key`` column(s) are its primary key or a
+            unique constraint.
+        key: the key column, or several.
+        version: the version column (an integer or a timestamp; higher is newer).
+        batch_size: rows per statement and transaction.
+        schema: the table's schema, if not the default one.
+        engine_options: keyword arguments for ``sqlalchemy.create_engine``.
+        policy: retries of a chunk whose connection failed transiently.
+
+    Raises :class:`~msgpatterns.errors.ConfigurationError` (on the driver, before any
+    write) for a missing table or column or a key that is not unique. A row without a
+    version or key fails the job with ``MissingVersion`` / ``MalformedMessage``: filter
+    such rows out first. A failed job may have written some chunks; running the batch
+    again is safe.
+    """
+    require("pyspark", "spark")
+    from pyspark.sql import functions as F
+
+    keys = (key,) if isinstance(key, str) else tuple(key)
+    if batch_size < 1:
+        raise ConfigurationError("batch_size must be at least 1")
+    target = _Target(SqlSpec.of(url, engine_options), table, schema, keys, version,
+                     policy if policy is not None else StorePolicy())
+    _check_columns(df, target)
+
+    values = [c for c in df.columns if c not in keys and c != version]
+    latest = (
+        df.groupBy(*keys)
+        .agg(
+            # max of a struct compares field by field: the version first, then the rest
+            F.max(F.struct(version, *values)).alias(_LATEST),
+            F.count(F.lit(1)).alias(_ROWS),
+            F.count_if(F.col(version).isNull()).alias(_MISSING),
+        )
+        .select(*keys, f"{_LATEST}.*", _ROWS, _MISSING)
+    )
+    context = df.sparkSession.sparkContext
+    counters = (context.accumulator(0), context.accumulator(0), context.accumulator(0))
+    latest.foreachPartition(_WritePartition(target, batch_size, counters))
+    return UpsertResult(rows=counters[0].value, keys=counters[1].value,
+                        written=counters[2].value)
+
+
+def _check_columns(df: DataFrame, target: _Target) -> None:
+    """Fail on the driver, before any job, when the table and ``df`` do not fit."""
+    columns = set(df.columns)
+    wanted = [*target.key, target.version]
+    absent = [c for c in wanted if c not in columns]
+    if absent:
+        raise ConfigurationError(f"the DataFrame has no column(s) {absent}")
+    guard = target.guard()  # reflects the table and checks the key is unique
+    unknown = sorted(columns - set(guard.table.columns.keys()))
+    if unknown:
+        raise ConfigurationError(
+            f"table {target.table!r} has no column(s) {unknown}; select the table's "
+            "columns before upsert_latest"
+        )

@@ -1,0 +1,71 @@
+"""Spark test fixtures: ONE local SparkSession per run, file-source streams, tables.
+
+The session is ``local[2]`` with two shuffle partitions and no UI. Streams read JSON
+files from a temporary directory, one file per micro-batch, and run with
+``trigger(availableNow=True)``: each ``run`` processes what is there and stops.
+Without Java the Spark tests skip (fail under MSGPATTERNS_REQUIRE_SERVICES=1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import sqlalchemy as sa
+from spark_streams import FileStream, orders_table
+
+from msgpatterns.testing import services
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    services.require("java")
+    from msgpatterns.spark.local import local_spark
+
+    session = local_spark("local[2]", app_name="msgpatterns-tests", shuffle_partitions=2)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _ship_test_code_by_value(request: pytest.FixtureRequest) -> None:
+    """Functions and classes of test modules reach the Python workers by value (the
+    workers cannot import test modules)."""
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(request.module)  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture
+def stream(spark: SparkSession, tmp_path: Path) -> FileStream:
+    return FileStream(spark, tmp_path)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The sink's database: a SQLite file, the real PostgreSQL (MariaDB when a test
+    parametrizes ``db_url`` indirectly with "mysql")."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'sink.db'}"
+    return services.require(request.param)
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[sa.Engine]:
+    connect_args: dict[str, Any] = {"timeout": 30} if db_url.startswith("sqlite") else {}
+    engine = sa.create_engine(db_url, connect_args=connect_args)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def orders(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
+    table = orders_table(f"spark_orders_{unique}")
+    table.create(engine)
+    yield table
+    table.drop(engine)

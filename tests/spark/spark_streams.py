@@ -1,0 +1,87 @@
+"""Helpers of the Spark tests: a file-source stream of order events, tables, rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+#: The order events every stream test reads.
+EVENT_SCHEMA = "order_id STRING, version BIGINT, status STRING, event_id STRING"
+
+
+class FileStream:
+    """Order events as JSON files, read by a streaming query with a checkpoint."""
+
+    def __init__(self, spark: SparkSession, root: Path) -> None:
+        self.spark = spark
+        self.root = root
+        self.source = root / "events"
+        self.source.mkdir()
+        self.checkpoint = root / "checkpoint-0"
+        self.files = 0
+
+    def add(self, *events: dict[str, Any]) -> None:
+        """One more file: the next micro-batch."""
+        path = self.source / f"events-{self.files:04d}.json"
+        path.write_text("".join(json.dumps(e) + "\n" for e in events))
+        stamp = 1_700_000_000 + self.files  # the file source orders files by mtime
+        os.utime(path, (stamp, stamp))
+        self.files += 1
+
+    def run(self, sink: Callable[[DataFrame, int], Any]) -> str:
+        """Process every file not yet committed in the checkpoint; the query's id."""
+        query = (
+            self.spark.readStream.schema(EVENT_SCHEMA)
+            .option("maxFilesPerTrigger", 1)
+            .json(str(self.source))
+            .writeStream.foreachBatch(sink)
+            .option("checkpointLocation", str(self.checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        try:
+            query.awaitTermination(240)
+        finally:
+            query.stop()
+        return str(query.id)
+
+    def drop_last_commit(self) -> int:
+        """Forget that the last batch committed, as if the driver died just before."""
+        commits = self.checkpoint / "commits"
+        last = max(int(p.name) for p in commits.iterdir() if p.name.isdigit())
+        (commits / str(last)).unlink()
+        (commits / f".{last}.crc").unlink(missing_ok=True)
+        return last
+
+    def new_checkpoint(self) -> None:
+        """Start over with an empty checkpoint (a reset): a new query id."""
+        self.checkpoint = self.root / f"checkpoint-{uuid.uuid4().hex[:6]}"
+
+
+def orders_table(name: str) -> sa.Table:
+    """The latest state per order."""
+    return sa.Table(
+        name, sa.MetaData(),
+        sa.Column("order_id", sa.String(64), primary_key=True),
+        sa.Column("version", sa.BigInteger, nullable=False),
+        sa.Column("status", sa.String(32), nullable=False),
+    )
+
+
+def read_table(engine: sa.Engine, table: sa.Table) -> dict[str, tuple[int, str]]:
+    with engine.connect() as conn:
+        return {r.order_id: (r.version, r.status) for r in conn.execute(sa.select(table))}
+
+
+def event(order_id: str, version: int, status: str = "", event_id: str = "") -> dict[str, Any]:
+    return {"order_id": order_id, "version": version, "status": status or f"s{version}",
+            "event_id": event_id or f"{order_id}:v{version}"}
