@@ -163,3 +163,21 @@ def test_a_killed_database_connection_is_replaced_transparently(
         killer.dispose()
         assert checker.execute("after", lambda tx: "ran").result == "ran"
         assert checker.stats.store_errors >= 1
+
+
+@pytest.mark.parametrize("store", ["fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
+def test_a_flushed_script_cache_is_reloaded(store: str, tmp_path: Path) -> None:
+    with checker_for(store, tmp_path) as checker:
+        assert isinstance(checker, RedisChecker)
+        assert checker.claim("a").claimed
+        checker.client.script_flush()  # what a server restart or failover does
+        claim = checker.claim("b")
+        assert claim.claimed and checker.complete(claim)
+        checker.client.script_flush()
+        claims = checker.claim_many(["c", "d"])
+        assert all(c.claimed for c in claims)
+        checker.client.script_flush()
+        assert checker.complete_many(claims) == [True, True]
+        checker.client.script_flush()
+        assert checker.release(checker.claim("e"))
+        assert checker.stats.store_errors == 0

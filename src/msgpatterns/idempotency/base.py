@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -241,16 +242,13 @@ def claim_batch(
     return claims
 
 
+_COUNTERS = {Status.CLAIMED: "claimed", Status.DONE: "duplicates",
+             Status.IN_PROGRESS: "in_progress", Status.CONFLICT: "conflicts"}
+
+
 def count_claims(stats: IdempotencyStats, claims: Iterable[Claim]) -> None:
-    for claim in claims:
-        if claim.status is Status.CLAIMED:
-            stats.add("claimed")
-        elif claim.status is Status.DONE:
-            stats.add("duplicates")
-        elif claim.status is Status.IN_PROGRESS:
-            stats.add("in_progress")
-        else:
-            stats.add("conflicts")
+    """Count claims by outcome."""
+    stats.add_all(Counter(_COUNTERS[claim.status] for claim in claims))
 
 
 def _owned(claims: Sequence[Claim]) -> list[ClaimRequest]:
@@ -352,7 +350,7 @@ class LeaseChecker(ABC):
         request = ClaimRequest(store_key, new_token(), fingerprint)
         record = self._io(lambda: self._claim_record(request), "claim")
         claim = classify(store_key, record, request.token, fingerprint)
-        count_claims(self.stats, (claim,))
+        self.stats.add(_COUNTERS[claim.status])
         return claim
 
     def claim_many(
@@ -380,16 +378,14 @@ class LeaseChecker(ABC):
         return done
 
     def _after_complete(self, claims: Sequence[Claim], done: Sequence[bool]) -> None:
-        for claim, ok in zip(claims, done, strict=True):
-            if ok:
-                self.stats.add("completed")
-            else:
-                self.stats.add("lost_leases")
-                log.warning(
-                    "lease on %s expired before completion and another owner took it; "
-                    "its effect may be applied twice (raise the lease above the handler's "
-                    "longest run)", claim.key,
-                )
+        lost = [claim for claim, ok in zip(claims, done, strict=True) if not ok]
+        self.stats.add_all({"completed": len(claims) - len(lost), "lost_leases": len(lost)})
+        for claim in lost:
+            log.warning(
+                "lease on %s expired before completion and another owner took it; its "
+                "effect may be applied twice (raise the lease above the handler's longest "
+                "run)", claim.key,
+            )
 
     def release(self, claim: Claim) -> bool:
         return self.release_many([claim])[0]

@@ -30,6 +30,8 @@ def normalise_key(key: object) -> str | bytes:
     Raises ``TypeError`` for a type that has no obvious text form, ``ValueError`` for
     a missing or empty key.
     """
+    if type(key) is str and key:
+        return key
     if key is None:
         raise ValueError("the idempotency key is None")
     if isinstance(key, bytes | bytearray | memoryview):

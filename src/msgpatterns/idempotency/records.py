@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 __all__ = ["PROCESSING", "DONE", "Claim", "IdempotencyStats", "Record", "Status"]
@@ -92,6 +93,12 @@ class IdempotencyStats:
         """Add ``count`` to counter ``name``."""
         with self._lock:
             setattr(self, name, getattr(self, name) + count)
+
+    def add_all(self, counts: Mapping[str, int]) -> None:
+        """Add several counters at once."""
+        with self._lock:
+            for name, count in counts.items():
+                setattr(self, name, getattr(self, name) + count)
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""

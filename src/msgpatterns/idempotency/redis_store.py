@@ -155,10 +155,17 @@ class RedisChecker(LeaseChecker):
 
     # -- I/O ----------------------------------------------------------------------------
 
+    def _eval(self, script: Any, key: str, *args: Any) -> Any:
+        """One script call (re-loading the script if the server lost it)."""
+        try:
+            return self.client.evalsha(script.sha, 1, key.encode("utf-8"), *args)
+        except self._no_script:
+            script.sha = self.client.script_load(script.script)
+            return self.client.evalsha(script.sha, 1, key.encode("utf-8"), *args)
+
     def _claim_record(self, request: ClaimRequest) -> Record:
         value = "P" + request.token + (request.fingerprint or "")
-        reply = self._claim_script(keys=[request.key.encode("utf-8")],
-                                   args=[value, self._lease_ms])
+        reply = self._eval(self._claim_script, request.key, value, self._lease_ms)
         return _record(reply, request, self._lease_ms)
 
     def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
@@ -169,8 +176,8 @@ class RedisChecker(LeaseChecker):
                 for reply, request in zip(replies, requests, strict=True)]
 
     def _complete_record(self, item: ClaimRequest) -> bool:
-        return bool(self._complete_script(keys=[item.key.encode("utf-8")],
-                                          args=[item.token, self._ttl_ms, item.fingerprint or ""]))
+        return bool(self._eval(self._complete_script, item.key, item.token, self._ttl_ms,
+                               item.fingerprint or ""))
 
     def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         replies = self._pipelined(self._complete_script, [
@@ -180,8 +187,7 @@ class RedisChecker(LeaseChecker):
 
     def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         if len(items) == 1:
-            key, token, _ = items[0]
-            return [bool(self._release_script(keys=[key.encode("utf-8")], args=[token]))]
+            return [bool(self._eval(self._release_script, items[0].key, items[0].token))]
         replies = self._pipelined(self._release_script,
                                   [(key, (token,)) for key, token, _ in items])
         return [bool(reply) for reply in replies]

@@ -27,16 +27,22 @@ class SqlStore:
     errors, purge and spec."""
 
     def __init__(self, engine_or_url: Engine | str, table: str,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], *, autocommit: bool) -> None:
         sa = require("sqlalchemy", "sql")
         from msgpatterns.idempotency.sql_table import DedupTable
 
         if isinstance(engine_or_url, str):
-            self.engine: Engine = sa.create_engine(engine_or_url)
+            # our own engine: connections set to autocommit once, when they are opened
+            options = {"isolation_level": "AUTOCOMMIT"} if autocommit else {}
+            self.engine: Engine = sa.create_engine(engine_or_url, **options)
             self._owns_engine = True
         else:
             self.engine = engine_or_url
             self._owns_engine = False
+        #: Where single statements run: each one atomic on its own, no transaction
+        #: round trips (a caller's engine is switched to autocommit per checkout).
+        self.statements: Engine = self.engine if not autocommit or self._owns_engine \
+            else self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self.table: DedupTable = DedupTable(self.engine, table)
         self.clock = clock
         dbapi = self.engine.dialect.loaded_dbapi
@@ -134,15 +140,14 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         clock: Callable[[], float] = time.time,
         write_behind: float | timedelta | None = None,
     ) -> None:
-        self.store = SqlStore(engine_or_url, table, clock)
+        self.store = SqlStore(engine_or_url, table, clock, autocommit=True)
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
         super().__init__(namespace=namespace, ttl=ttl, lease=lease,
                          max_key_bytes=KEY_BYTES, policy=policy, write_behind=write_behind)
         self.transient = self.store.transient
         self.engine = self.store.engine
-        # one statement per call, each atomic on its own: no transaction round trips
-        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._autocommit = self.store.statements
         self._lease_ms = int(self.lease * 1000)
         self._ttl_ms = int(self.ttl * 1000)
 

@@ -18,6 +18,7 @@ so keys compare byte for byte: no case folding, no trailing-space padding.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -121,20 +122,20 @@ class DedupTable:
     def claim(
         self, conn: Connection, rows: Sequence[dict[str, Any]], now: int, *, lock: bool = False,
     ) -> dict[str, Record]:
-        """Insert each row whose key is absent or expired; return every key's row as it
-        stands afterwards. ``lock``: read back with ``FOR UPDATE`` (inside a
-        transaction that keeps the rows)."""
+        """Insert each row (``updated_at`` = ``now``) whose key is absent or expired;
+        return every key's row as it stands afterwards. ``lock``: read back with ``FOR
+        UPDATE`` (inside a transaction that keeps the rows)."""
         found: dict[str, Record] = {}
         ordered = sorted(rows, key=lambda row: row["dedup_key"])  # one lock order: no deadlock
         for start in range(0, len(ordered), _CHUNK):
             chunk = ordered[start:start + _CHUNK]
             if _is_mysql(self.dialect):
-                conn.execute(self._mysql_claim(chunk, now))
+                conn.execute(self._claim_statement, chunk)
                 query = sa.select(*self._returned).where(
                     self.table.c.dedup_key.in_([row["dedup_key"] for row in chunk]))
                 result = conn.execute(query.with_for_update() if lock else query)
-            else:
-                result = conn.execute(self._upsert_claim(chunk, now))
+            else:  # one statement; SQLAlchemy sends the rows as one multi-row VALUES
+                result = conn.execute(self._claim_statement, chunk)
             for key, state, token, fingerprint, expires_at in result:
                 found[key] = Record(state, token, fingerprint, (expires_at - now) / 1000)
         return found
@@ -144,39 +145,49 @@ class DedupTable:
         c = self.table.c
         return (c.dedup_key, c.state, c.owner_token, c.fingerprint, c.expires_at)
 
-    def _takeover(self, incoming: Any, now: int) -> list[tuple[str, Any]]:
+    @functools.cached_property
+    def _claim_statement(self) -> Any:
+        """The insert-or-take-over statement, built (and compiled) once. The incoming
+        row's ``updated_at`` is the claim's "now", so the statement has no parameter
+        outside its VALUES and batches as an executemany."""
         c = self.table.c
-        expired = c.expires_at <= sa.literal(now, sa.BigInteger)
+        if _is_mysql(self.dialect):
+            stmt: Any = mysql.insert(self.table)
+            incoming = stmt.inserted
+        else:
+            insert = postgresql.insert if self.dialect.name == "postgresql" else sqlite.insert
+            stmt = insert(self.table)
+            incoming = stmt.excluded
+        expired = c.expires_at <= incoming.updated_at
         # expires_at last: MySQL evaluates the assignments left to right
-        return [(name, sa.case((expired, incoming[name]), else_=c[name]))
-                for name in _TAKEOVER_COLUMNS]
-
-    def _upsert_claim(self, rows: Sequence[dict[str, Any]], now: int) -> Any:
-        insert = postgresql.insert if self.dialect.name == "postgresql" else sqlite.insert
-        stmt = insert(self.table).values(list(rows))
+        takeover = [(name, sa.case((expired, incoming[name]), else_=c[name]))
+                    for name in _TAKEOVER_COLUMNS]
+        if _is_mysql(self.dialect):
+            return stmt.on_duplicate_key_update(takeover)
         return stmt.on_conflict_do_update(
-            index_elements=[self.table.c.dedup_key],
-            set_=dict(self._takeover(stmt.excluded, now)),
+            index_elements=[c.dedup_key], set_=dict(takeover),
         ).returning(*self._returned)
 
-    def _mysql_claim(self, rows: Sequence[dict[str, Any]], now: int) -> Any:
-        stmt = mysql.insert(self.table).values(list(rows))
-        return stmt.on_duplicate_key_update(self._takeover(stmt.inserted, now))
-
     # -- complete / release -----------------------------------------------------------------
+
+    def _owned_by(self, chunk: Sequence[Owned]) -> Any:
+        """Rows whose (key, token) is one of ``chunk``'s pairs. Written as two IN lists,
+        which every database answers from the primary key (a row-value IN is planned
+        as a long OR): a token is only ever issued for one key, so a row can match a
+        key of the list and a token of the list only as one of the pairs."""
+        c = self.table.c
+        return sa.and_(c.dedup_key.in_([key for key, _, _ in chunk]),
+                       c.owner_token.in_([token for _, token, _ in chunk]))
 
     def complete(self, conn: Connection, items: Sequence[Owned], now: int,
                  expires_at: int) -> list[bool]:
         """Per (key, token, fingerprint): mark DONE until ``expires_at`` if the token
         still owns the key, or insert it DONE if its row is gone (purged after its lease
         expired). True also when it is DONE by that token already: a retried call."""
-        c = self.table.c
         outcome: list[bool] = []
         for chunk in _chunks(items):
-            pairs = [(key, token) for key, token, _ in chunk]
-            touched = conn.execute(sa.update(self.table).where(
-                sa.tuple_(c.dedup_key, c.owner_token).in_(pairs),
-            ).values(state=DONE, expires_at=expires_at, updated_at=now)).rowcount
+            touched = conn.execute(sa.update(self.table).where(self._owned_by(chunk)).values(
+                state=DONE, expires_at=expires_at, updated_at=now)).rowcount
             if touched == len(chunk):
                 outcome.extend([True] * len(chunk))
                 continue
@@ -195,8 +206,7 @@ class DedupTable:
         outcome: list[bool] = []
         for chunk in _chunks(items):
             pairs = [(key, token) for key, token, _ in chunk]
-            stmt = sa.delete(self.table).where(
-                sa.tuple_(c.dedup_key, c.owner_token).in_(pairs), c.state == PROCESSING)
+            stmt = sa.delete(self.table).where(self._owned_by(chunk), c.state == PROCESSING)
             if self.dialect.delete_returning:
                 deleted = set(conn.scalars(stmt.returning(c.dedup_key)))
                 outcome.extend(key in deleted for key, _ in pairs)

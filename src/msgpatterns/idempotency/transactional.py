@@ -83,7 +83,7 @@ class TransactionalSqlChecker(SqlMaintenance):
     ) -> None:
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
-        self.store = SqlStore(engine_or_url, table, clock)
+        self.store = SqlStore(engine_or_url, table, clock, autocommit=False)
         self.engine = self.store.engine
         self.ttl = seconds(ttl) or 0.0
         if self.ttl <= 0:
