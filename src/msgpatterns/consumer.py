@@ -389,7 +389,8 @@ class Consumer:
                 timeout=self.poll_timeout if timeout is None else timeout,
             )
         except Exception:
-            self.stats.broker_errors += 1
+            with self._cond:
+                self.stats.broker_errors += 1
             log.exception("%s: fetch failed; retrying", self.name)
             time.sleep(min(self.poll_timeout, 1.0))
             return []
@@ -436,25 +437,27 @@ class Consumer:
         retry: Message | None = None
         delay = 0.0
         hold = False
+        counted: list[str] = []  # stats to add, under the lock, in _release
         try:
             if isinstance(error, _Released):
-                self.stats.released += 1
+                counted.append("released")
                 self.broker.nack(message, 0.0)
                 return
             verdict = self.retry.decide(message, error)
             if verdict.action is Action.ACK:
                 self.broker.ack(message)
-                self.stats.acked += 1
+                counted.append("acked")
                 return
             assert error is not None
+            counted.append("failed")
             self._log_failure(message, error, verdict.action, verdict.delay)
             delay = verdict.delay
             if verdict.action is Action.RETRY_LOCALLY:
                 retry = message.copy_for_retry(local=True)
-                self.stats.retried_locally += 1
+                counted.append("retried_locally")
             elif verdict.action is Action.REDELIVER:
                 self._record_failure(message, error)
-                self.stats.redelivered += 1
+                counted.append("redelivered")
                 if self._gate is not None:
                     # Ordered: the retry stays here and keeps its key; going back to the
                     # broker would let later messages of the key overtake it.
@@ -465,20 +468,24 @@ class Consumer:
                     self.broker.nack(message, delay)
             else:
                 self._dead_letter(message, error, verdict.reason)
+                counted.append("dead_lettered")
         except Exception:
-            self.stats.broker_errors += 1
+            counted.append("broker_errors")
             log.exception(
                 "%s: settling message %s failed; the broker will redeliver it",
                 self.name, message.id,
             )
         finally:
-            self._release(message, retry, delay, hold)
+            self._release(message, retry, delay, hold, counted)
 
     def _release(self, message: Message, retry: Message | None, delay: float,
-                 hold: bool) -> None:
-        """Lock-protected bookkeeping after a settlement: free the slot, or put the
-        retry copy in its place (now, after ``delay``, or held until due)."""
+                 hold: bool, counted: list[str]) -> None:
+        """Lock-protected bookkeeping after a settlement: count it, free the slot, or
+        put the retry copy in its place (now, after ``delay``, or held until due)."""
         with self._cond:
+            stats = self.stats
+            for name in counted:
+                setattr(stats, name, getattr(stats, name) + 1)
             self._in_flight.discard(message)
             if retry is not None and self._state is _State.STOPPED:
                 self.broker.nack(message, 0.0)  # stopped meanwhile: give it back
@@ -533,11 +540,9 @@ class Consumer:
             self.broker.ack(message)
         else:
             self.broker.dead_letter(message, record)
-        self.stats.dead_lettered += 1
 
     def _log_failure(self, message: Message, error: BaseException, action: Action,
                      delay: float) -> None:
-        self.stats.failed += 1
         if isinstance(error, NeedRetry):
             log.debug("%s: message %s asked for a retry (%s)", self.name, message.id, error)
         elif action is not Action.DEAD_LETTER:
