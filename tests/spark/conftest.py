@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import spark_streams
 import sqlalchemy as sa
 from spark_streams import FileStream, orders_table
 
@@ -38,7 +39,8 @@ def _ship_test_code_by_value(request: pytest.FixtureRequest) -> None:
     workers cannot import test modules)."""
     from pyspark import cloudpickle
 
-    cloudpickle.register_pickle_by_value(request.module)  # type: ignore[no-untyped-call]
+    for module in (request.module, spark_streams):
+        cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture

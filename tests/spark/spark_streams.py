@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
+from msgpatterns.spark import SqlSpec
+
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame, Row, SparkSession
 
 #: The order events every stream test reads.
 EVENT_SCHEMA = "order_id STRING, version BIGINT, status STRING, event_id STRING"
@@ -66,6 +68,13 @@ class FileStream:
         """Start over with an empty checkpoint (a reset): a new query id."""
         self.checkpoint = self.root / f"checkpoint-{uuid.uuid4().hex[:6]}"
 
+    def reset(self) -> None:
+        """A new checkpoint and a new, empty source: batch ids start again at 0."""
+        self.new_checkpoint()
+        self.source = self.root / f"events-{uuid.uuid4().hex[:6]}"
+        self.source.mkdir()
+        self.files = 0
+
 
 def orders_table(name: str) -> sa.Table:
     """The latest state per order."""
@@ -85,3 +94,42 @@ def read_table(engine: sa.Engine, table: sa.Table) -> dict[str, tuple[int, str]]
 def event(order_id: str, version: int, status: str = "", event_id: str = "") -> dict[str, Any]:
     return {"order_id": order_id, "version": version, "status": status or f"s{version}",
             "event_id": event_id or f"{order_id}:v{version}"}
+
+
+def events_table(name: str) -> sa.Table:
+    """An append-only sink: no key, so a batch written twice shows up twice."""
+    return sa.Table(
+        name, sa.MetaData(),
+        sa.Column("event_id", sa.String(64), nullable=False),
+        sa.Column("order_id", sa.String(64), nullable=False),
+        sa.Column("version", sa.BigInteger, nullable=False),
+    )
+
+
+class AppendFromExecutors:
+    """``foreachPartition``: plain INSERTs of the partition's rows (no dedup at all)."""
+
+    def __init__(self, url: str, table: str) -> None:
+        self.spec = SqlSpec.of(url)
+        self.table = table
+
+    def __call__(self, rows: Iterator[Row]) -> None:
+        records = [r.asDict() for r in rows]
+        if records:
+            table = self.spec.table(self.table)
+            with self.spec.engine().begin() as conn:
+                conn.execute(table.insert(), records)
+
+
+def append_sink(url: str, table: sa.Table) -> Any:
+    def write(df: DataFrame, batch_id: int) -> None:
+        df.select("event_id", "order_id", "version").foreachPartition(
+            AppendFromExecutors(url, table.name)
+        )
+    return write
+
+
+def appended(engine: sa.Engine, table: sa.Table) -> list[tuple[str, int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(table.c.event_id, table.c.version))
+        return sorted((r.event_id, r.version) for r in rows)

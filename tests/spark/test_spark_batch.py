@@ -8,29 +8,19 @@ restarted on the same checkpoint. Spark then runs batch N again with the same id
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
-from spark_streams import FileStream, event
+from spark_streams import FileStream, append_sink, appended, event, events_table
 
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.spark import BatchLedger, SqlSpec, idempotent_batch, streaming_query_id
+from msgpatterns.spark import BatchLedger, idempotent_batch, streaming_query_id
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, Row, SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 pytestmark = pytest.mark.spark
-
-
-def events_table(name: str) -> sa.Table:
-    """An append-only sink: no key, so a batch written twice shows up twice."""
-    return sa.Table(
-        name, sa.MetaData(),
-        sa.Column("event_id", sa.String(64), nullable=False),
-        sa.Column("order_id", sa.String(64), nullable=False),
-        sa.Column("version", sa.BigInteger, nullable=False),
-    )
 
 
 @pytest.fixture
@@ -46,35 +36,6 @@ def ledger(db_url: str, unique: str) -> Iterator[BatchLedger]:
     ledger = BatchLedger(db_url, table=f"spark_ledger_{unique}")
     yield ledger
     ledger.drop_table()
-
-
-class AppendFromExecutors:
-    """``foreachPartition``: plain INSERTs of the partition's rows (no dedup at all)."""
-
-    def __init__(self, url: str, table: str) -> None:
-        self.spec = SqlSpec.of(url)
-        self.table = table
-
-    def __call__(self, rows: Iterator[Row]) -> None:
-        records = [r.asDict() for r in rows]
-        if records:
-            table = self.spec.table(self.table)
-            with self.spec.engine().begin() as conn:
-                conn.execute(table.insert(), records)
-
-
-def append_sink(url: str, table: sa.Table) -> Any:
-    def write(df: DataFrame, batch_id: int) -> None:
-        df.select("event_id", "order_id", "version").foreachPartition(
-            AppendFromExecutors(url, table.name)
-        )
-    return write
-
-
-def appended(engine: sa.Engine, table: sa.Table) -> list[tuple[str, int]]:
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(table.c.event_id, table.c.version))
-        return sorted((r.event_id, r.version) for r in rows)
 
 
 def three_batches(stream: FileStream) -> list[tuple[str, int]]:
@@ -103,12 +64,16 @@ def test_a_replayed_batch_is_skipped_and_a_reset_checkpoint_writes(
     stream.run(sink)
     assert appended(engine, events) == sorted([*expected, ("o5:v1", 1)])
 
-    # A reset checkpoint is a new query: its batches 0..3 are new, never skipped (an
-    # append sink then holds everything twice - the data is not silently dropped).
-    stream.new_checkpoint()
+    # A reset - new checkpoint, new source - starts again at batch 0 under a new query
+    # id. Batch 0 of the old query is in the ledger; a ledger keyed on (sink, batch)
+    # alone would skip the new batch 0 and silently drop its data.
+    assert ledger.is_recorded("events-sink", query_id, 0)
+    stream.reset()
+    stream.add(event("o9", 1), event("o9", 2))
     assert stream.run(sink) != query_id
-    assert appended(engine, events) == sorted(2 * [*expected, ("o5:v1", 1)])
-    assert (sink.stats.written, sink.stats.skipped) == (8, 1)
+    assert appended(engine, events) == sorted([*expected, ("o5:v1", 1), ("o9:v1", 1),
+                                               ("o9:v2", 2)])
+    assert (sink.stats.written, sink.stats.skipped) == (5, 1)
 
 
 def test_transactional_mode_commits_the_ledger_row_with_the_write(
