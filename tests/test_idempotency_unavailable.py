@@ -87,17 +87,17 @@ def test_fail_open_processes_without_dedup_and_says_so(
 
 
 class RecoveringRedis(fakeredis.FakeRedis):
-    """A fakeredis client whose server is unreachable for its first ``down`` scripts."""
+    """A fakeredis client whose server is unreachable for its first ``down`` commands."""
 
     def __init__(self, down: int) -> None:
         super().__init__(server=fakeredis.FakeServer())
         self.down = down
         self.calls = 0
 
-    def evalsha(self, *args: Any, **kwargs: Any) -> Any:
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         self.connection_pool.connection_kwargs["server"].connected = self.calls > self.down
-        return super().evalsha(*args, **kwargs)
+        return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
 def test_a_store_that_comes_back_within_the_retries_is_transparent() -> None:

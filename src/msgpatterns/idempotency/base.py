@@ -33,7 +33,6 @@ import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
@@ -99,8 +98,7 @@ class ClaimRequest(NamedTuple):
     fingerprint: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class Executed(Generic[R]):
+class Executed(NamedTuple, Generic[R]):
     """What :meth:`Checker.execute` did: ``ran`` is False when the key was DONE."""
 
     ran: bool

@@ -11,6 +11,7 @@ import enum
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 __all__ = ["PROCESSING", "DONE", "Claim", "IdempotencyStats", "Record", "Status"]
 
@@ -33,8 +34,7 @@ class Status(enum.Enum):
     CONFLICT = "conflict"
 
 
-@dataclass(frozen=True, slots=True)
-class Claim:
+class Claim(NamedTuple):
     """The result of claiming one key.
 
     Attributes:
@@ -57,8 +57,7 @@ class Claim:
         return self.status is Status.CLAIMED
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(NamedTuple):
     """A key's stored state as a store observed it, right after a claim attempt.
 
     ``remaining`` is the time left before the record expires (the lease for

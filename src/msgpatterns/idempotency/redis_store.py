@@ -66,10 +66,15 @@ def _text(value: Any) -> str:
 
 
 def _record(reply: Any, request: ClaimRequest, lease_ms: int) -> Record:
+    """The record a claim reply describes: 1 (claimed) or [current value, its PTTL]."""
     if reply == 1:
         return Record(PROCESSING, request.token, request.fingerprint, lease_ms / 1000)
     value, pttl = _text(reply[0]), int(reply[1])
     return Record(value[0], value[1:33], value[33:] or None, max(pttl, 0) / 1000)
+
+
+#: Attempts of a single claim when the key vanishes between SET NX and the read-back.
+_CLAIM_ATTEMPTS = 3
 
 
 def _url_of(client: redis.Redis) -> str:
@@ -164,9 +169,21 @@ class RedisChecker(LeaseChecker):
             return self.client.evalsha(script.sha, 1, key.encode("utf-8"), *args)
 
     def _claim_record(self, request: ClaimRequest) -> Record:
+        """``SET NX PX`` (one round trip, like a hand-written claim); only when the key
+        exists, a second round trip reads what holds it."""
+        key = request.key.encode("utf-8")
         value = "P" + request.token + (request.fingerprint or "")
-        reply = self._eval(self._claim_script, request.key, value, self._lease_ms)
-        return _record(reply, request, self._lease_ms)
+        for _ in range(_CLAIM_ATTEMPTS):
+            if self.client.set(key, value, nx=True, px=self._lease_ms):
+                return _record(1, request, self._lease_ms)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(key)
+            pipe.pttl(key)
+            current, pttl = pipe.execute()
+            if current is not None:
+                return _record((current, pttl), request, self._lease_ms)
+        # the key keeps vanishing under us (very short leases): report it as busy
+        return Record(PROCESSING, "", None, 0.0)
 
     def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
         replies = self._pipelined(self._claim_script, [
