@@ -30,25 +30,11 @@ from msgpatterns.idempotency import (
     checker_from_spec,
     idempotent,
 )
-from msgpatterns.testing.checker_fixtures import checker_for
+from msgpatterns.testing.checker_fixtures import SQL_STORES, STORES, checker_for, store_params
 
-THREAD_STORES = [
-    "memory", "fakeredis", "sqlite",
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-]
-PROCESS_STORES = [
-    "sqlite",
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-]
-SQL_STORES = [
-    "sqlite",
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-]
+THREAD_STORES = store_params(*STORES)
+PROCESS_STORES = store_params("sqlite", "redis", "postgres", "mysql")  # shared by processes
+SQL = store_params(*SQL_STORES)
 CRASHED = 17
 
 
@@ -173,7 +159,7 @@ def test_eight_threads_on_one_key_run_the_handler_once(store: str, tmp_path: Pat
     assert sorted(outcomes) == ["in_progress"] * 7 + ["ran", "returned"]
 
 
-@pytest.mark.parametrize("store", SQL_STORES)
+@pytest.mark.parametrize("store", SQL)
 def test_eight_threads_on_one_key_transactional(store: str, tmp_path: Path) -> None:
     with checker_for(store, tmp_path, transactional=True) as checker:
         outcomes = _race_threads(checker)
@@ -198,7 +184,7 @@ def test_two_processes_on_one_key_run_the_handler_once(
         assert _race_processes(checker.spec()) == ["in_progress", "ran", "returned"]
 
 
-@pytest.mark.parametrize("store", SQL_STORES)
+@pytest.mark.parametrize("store", SQL)
 def test_two_processes_on_one_key_transactional(store: str, tmp_path: Path) -> None:
     with checker_for(store, tmp_path, transactional=True) as checker:
         assert _race_processes(checker.spec()) == ["ran", "returned", "skipped"]
@@ -247,7 +233,7 @@ def test_crash_after_completion_before_the_ack_skips_the_redelivery(
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("store", SQL_STORES)
+@pytest.mark.parametrize("store", SQL)
 def test_crash_with_the_transactional_checker_applies_the_effect_exactly_once(
     store: str, when: str, tmp_path: Path, unique: str,
 ) -> None:
@@ -276,7 +262,7 @@ def test_crash_with_the_transactional_checker_applies_the_effect_exactly_once(
             table.drop(checker.engine)
 
 
-@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.mark.parametrize("store", store_params("sqlite", "redis"))
 def test_crash_with_a_completion_still_queued_by_write_behind_is_at_least_once(
     store: str, tmp_path: Path,
 ) -> None:

@@ -17,18 +17,13 @@ from msgpatterns.errors import ConfigurationError, IdempotencyConflict, Malforme
 from msgpatterns.idempotency import Checker, MemoryChecker, idempotent
 from msgpatterns.retry import Backoff
 from msgpatterns.testing import EffectLog, assert_all_acked, assert_dead_lettered
-from msgpatterns.testing.checker_fixtures import checker_for
+from msgpatterns.testing.checker_fixtures import STORES, checker_for, store_params
 
-STORES = [
-    "memory", "fakeredis", "sqlite",
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-]
+ALL_STORES = store_params(*STORES)
 QUICK = RetryPolicy(max_attempts=5, backoff=Backoff.fixed(1.0), local_retries=0)
 
 
-@pytest.fixture(params=STORES)
+@pytest.fixture(params=ALL_STORES)
 def checker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Checker]:
     with checker_for(request.param, tmp_path) as built:
         yield built

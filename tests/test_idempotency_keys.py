@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency import KeyBuilder, LeaseChecker, Status
-from msgpatterns.testing.checker_fixtures import checker_for
+from msgpatterns.testing.checker_fixtures import STORES, checker_for, store_params
 
 NASTY_KEYS = [
     "a", "A", "a ", " a", "a\t", "a\n",
@@ -27,12 +27,7 @@ NASTY_KEYS = [
     "sha256:" + hashlib.sha256(b"x" * 10_000).hexdigest(),
 ]
 
-STORES = [
-    "memory", "fakeredis", "sqlite",
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-]
+ALL_STORES = store_params(*STORES)
 
 
 # -- the key builder ----------------------------------------------------------------------
@@ -108,7 +103,7 @@ def test_distinct_keys_never_collide_and_always_fit(keys: list[str | bytes],
 
 # -- every store ----------------------------------------------------------------------------
 
-@pytest.fixture(params=STORES)
+@pytest.fixture(params=ALL_STORES)
 def checker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LeaseChecker]:
     with checker_for(request.param, tmp_path) as built:
         assert isinstance(built, LeaseChecker)

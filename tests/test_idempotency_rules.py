@@ -16,16 +16,9 @@ import pytest
 
 from msgpatterns.errors import InProgress
 from msgpatterns.idempotency import LeaseChecker, Status
-from msgpatterns.testing.checker_fixtures import FakeClock, checker_for
+from msgpatterns.testing.checker_fixtures import STORES, FakeClock, checker_for, store_params
 
-LEASE_STORES = [
-    "memory",
-    "fakeredis",
-    "sqlite",
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-]
+LEASE_STORES = store_params(*STORES)
 
 
 @dataclass

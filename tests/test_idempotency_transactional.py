@@ -25,13 +25,9 @@ from msgpatterns.idempotency import (
 )
 from msgpatterns.retry import Backoff
 from msgpatterns.testing import assert_all_acked
-from msgpatterns.testing.checker_fixtures import checker_for
+from msgpatterns.testing.checker_fixtures import SQL_STORES, checker_for, store_params
 
-SQL_STORES = [
-    "sqlite",
-    pytest.param("postgres", marks=pytest.mark.postgres),
-    pytest.param("mysql", marks=pytest.mark.mysql),
-]
+SQL = store_params(*SQL_STORES)
 
 
 @dataclass
@@ -50,7 +46,7 @@ class Db:
             return int(conn.execute(sa.select(sa.func.count()).select_from(table)).scalar_one())
 
 
-@pytest.fixture(params=SQL_STORES)
+@pytest.fixture(params=SQL)
 def db(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Iterator[Db]:
     with checker_for(request.param, tmp_path, transactional=True) as checker:
         assert isinstance(checker, TransactionalSqlChecker)

@@ -25,7 +25,7 @@ from msgpatterns.idempotency import (
 from msgpatterns.idempotency.base import Checker
 from msgpatterns.retry import Backoff
 from msgpatterns.testing import EffectLog
-from msgpatterns.testing.checker_fixtures import checker_for
+from msgpatterns.testing.checker_fixtures import checker_for, store_params
 
 FAST = StorePolicy(attempts=3, wait=0.0, max_wait=0.0, unavailable_delay=7.0)
 
@@ -143,8 +143,7 @@ def test_a_killed_redis_connection_is_replaced_transparently(tmp_path: Path) -> 
         assert checker.client.client_id() != victim
 
 
-@pytest.mark.parametrize("store", [pytest.param("postgres", marks=pytest.mark.postgres),
-                                   pytest.param("mysql", marks=pytest.mark.mysql)])
+@pytest.mark.parametrize("store", store_params("postgres", "mysql"))
 @pytest.mark.parametrize("transactional", [False, True])
 def test_a_killed_database_connection_is_replaced_transparently(
     store: str, transactional: bool, tmp_path: Path,
@@ -165,7 +164,7 @@ def test_a_killed_database_connection_is_replaced_transparently(
         assert checker.stats.store_errors >= 1
 
 
-@pytest.mark.parametrize("store", ["fakeredis", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.mark.parametrize("store", store_params("fakeredis", "redis"))
 def test_a_flushed_script_cache_is_reloaded(store: str, tmp_path: Path) -> None:
     with checker_for(store, tmp_path) as checker:
         assert isinstance(checker, RedisChecker)

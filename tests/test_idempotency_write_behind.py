@@ -12,13 +12,9 @@ from msgpatterns import Consumer, InMemoryBroker, Message
 from msgpatterns.errors import ConfigurationError, IdempotencyConflict, InProgress
 from msgpatterns.idempotency import LeaseChecker, RedisChecker, SqlChecker, Status, idempotent
 from msgpatterns.testing import EffectLog, assert_all_acked
-from msgpatterns.testing.checker_fixtures import checker_for
+from msgpatterns.testing.checker_fixtures import checker_for, store_params
 
-STORES = [
-    "fakeredis", "sqlite",
-    pytest.param("redis", marks=pytest.mark.redis),
-    pytest.param("postgres", marks=pytest.mark.postgres),
-]
+STORES = store_params("fakeredis", "sqlite", "redis", "postgres")
 
 
 @pytest.fixture(params=STORES)

@@ -9,8 +9,10 @@ Fixtures (exposed by the msgpatterns pytest plugin):
 * ``sql_checker`` - a :class:`~msgpatterns.SqlChecker` on a SQLite file in
   ``tmp_path``.
 
-:func:`checker_for` builds any checker on any store, for tests parametrized over
-stores; :class:`FakeClock` lets a test expire leases and ttls without waiting.
+:func:`checker_for` builds any checker on any store and :func:`store_params` lists
+stores as pytest parameters (real services carry their marker), for tests that run
+on several stores; :class:`FakeClock` lets a test expire leases and ttls without
+waiting.
 """
 
 from __future__ import annotations
@@ -36,16 +38,37 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "SQL_STORES",
+    "STORES",
     "FakeClock",
     "checker_for",
     "memory_checker",
     "redis_checker",
     "sql_checker",
+    "store_params",
 ]
 
 #: Store names :func:`checker_for` understands. ``redis``, ``postgres`` and ``mysql``
 #: need the real service (the test is skipped, or failed in CI, when it is missing).
-STORES = ("memory", "fakeredis", "redis", "sqlite", "postgres", "mysql")
+STORES = ("memory", "fakeredis", "sqlite", "redis", "postgres", "mysql")
+#: The stores a SQL checker (and TransactionalSqlChecker) runs on.
+SQL_STORES = ("sqlite", "postgres", "mysql")
+_MARKS = {"redis": pytest.mark.redis, "postgres": pytest.mark.postgres,
+          "mysql": pytest.mark.mysql}
+
+
+def store_params(*stores: str) -> list[Any]:
+    """``stores`` as pytest parameters, the real services with their marker::
+
+        @pytest.mark.parametrize("store", store_params(*STORES))
+        def test_it(store, tmp_path):
+            with checker_for(store, tmp_path) as checker: ...
+    """
+    unknown = set(stores) - set(STORES)
+    if unknown:
+        raise ValueError(f"unknown store(s) {sorted(unknown)}; expected some of {STORES}")
+    return [pytest.param(store, marks=_MARKS[store]) if store in _MARKS else store
+            for store in stores]
 
 
 class FakeClock:
