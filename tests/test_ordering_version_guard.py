@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
@@ -229,6 +230,36 @@ def test_composite_keys(engine: Engine) -> None:
             assert row is not None
             assert row["qty"] == 8
             assert guard.stored_version(conn, ("w2", "s1")) == 5
+
+
+def test_a_deadlock_between_two_writers_is_a_need_retry(engine: Engine, orders: Table) -> None:
+    if engine.dialect.name == "sqlite":
+        pytest.skip("SQLite runs one writer at a time: it cannot deadlock")
+    guard = VersionGuard(orders, "id", "version")
+    with engine.begin() as conn:
+        guard.upsert_latest(conn, "a", 1, {"state": "a1"})
+        guard.upsert_latest(conn, "b", 1, {"state": "b1"})
+    both_hold_one = threading.Barrier(2)
+    outcomes: list[str] = []
+
+    def write(first: str, second: str) -> None:
+        try:
+            with engine.begin() as conn:
+                guard.upsert_latest(conn, first, 2, {"state": "x"})
+                both_hold_one.wait()  # each holds one row and now wants the other's
+                guard.upsert_latest(conn, second, 2, {"state": "x"})
+            outcomes.append("committed")
+        except NeedRetry as exc:
+            outcomes.append(exc.reason)
+
+    writers = [threading.Thread(target=write, args=pair) for pair in (("a", "b"), ("b", "a"))]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert sorted(outcomes)[0] == "committed"
+    assert "deadlock" in sorted(outcomes)[1]
+    assert _rows(engine, orders) == {"a": ("x", 2), "b": ("x", 2)}
 
 
 # -- configuration ------------------------------------------------------------------------

@@ -15,11 +15,12 @@ messages are data, never SQL.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from msgpatterns._extras import require
-from msgpatterns.errors import ConfigurationError
+from msgpatterns.errors import ConfigurationError, NeedRetry
 
 require("sqlalchemy", "sql")
 
@@ -35,15 +36,53 @@ from sqlalchemy import (  # noqa: E402
     select,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite  # noqa: E402
-from sqlalchemy.exc import IntegrityError  # noqa: E402
+from sqlalchemy.exc import DBAPIError, IntegrityError  # noqa: E402
 from sqlalchemy.sql.dml import Insert  # noqa: E402
 
-__all__ = ["Family", "family", "insert_if_absent", "latest_wins_insert", "newer"]
+__all__ = [
+    "Family",
+    "deadlocks_retry",
+    "family",
+    "insert_if_absent",
+    "latest_wins_insert",
+    "newer",
+]
 
 Family = Literal["postgresql", "sqlite", "mysql"]
 
 # MySQL/MariaDB error numbers of a duplicate primary or unique key.
 _DUPLICATE_KEY = {1062, 1586}
+# A deadlock, or a serialization failure: the database rolled the transaction back.
+_MYSQL_DEADLOCK = {1213}
+_SQLSTATE_RETRY = {"40P01", "40001"}
+
+
+def _sqlstate(exc: DBAPIError) -> str | None:
+    """The SQLSTATE of a driver error (psycopg2 ``pgcode``, psycopg and PyMySQL
+    ``sqlstate``), if the driver reports one."""
+    state = getattr(exc.orig, "pgcode", None) or getattr(exc.orig, "sqlstate", None)
+    return state if isinstance(state, str) else None
+
+
+def _errno(exc: DBAPIError) -> int | None:
+    """The MySQL/MariaDB error number of a driver error."""
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+@contextmanager
+def deadlocks_retry() -> Iterator[None]:
+    """Turn a deadlock among concurrent writers into :class:`NeedRetry`.
+
+    The database has already rolled the whole transaction back; running the handler
+    again in a new transaction is the fix, so this is a "not now", not a failure.
+    """
+    try:
+        yield
+    except DBAPIError as exc:
+        if _sqlstate(exc) in _SQLSTATE_RETRY or _errno(exc) in _MYSQL_DEADLOCK:
+            raise NeedRetry(reason=f"deadlock with a concurrent writer: {exc.orig}") from exc
+        raise
 
 
 def family(conn: Connection) -> Family:
@@ -116,11 +155,13 @@ def insert_if_absent(
     try:
         conn.execute(insert(table).values(dict(row)))
     except IntegrityError as exc:
-        code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
-        if code not in _DUPLICATE_KEY:
+        if _errno(exc) not in _DUPLICATE_KEY:
             raise
+        # A locking read sees the row another transaction just committed; a plain read
+        # under REPEATABLE READ would see this transaction's older snapshot.
         match = and_(*(c == row[c.key] for c in keys))
-        if conn.execute(select(keys[0]).where(match)).first() is None:
+        current = select(keys[0]).where(match).with_for_update(read=True)
+        if conn.execute(current).first() is None:
             raise  # a different unique key clashed
         return False
     return True

@@ -12,11 +12,15 @@ Two disciplines from the seed article, over one SQLAlchemy table:
 
 All statements are SQLAlchemy Core with bound parameters. They run on the connection
 you pass, inside your transaction, so the write commits together with your own effects.
+A deadlock with a concurrent writer (the database rolled the transaction back) raises
+:class:`~msgpatterns.errors.NeedRetry`: run the handler again in a new transaction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import suppress
+from operator import itemgetter
 from typing import Any
 
 from msgpatterns._extras import require
@@ -41,6 +45,7 @@ from sqlalchemy import (  # noqa: E402
 )
 
 from msgpatterns.ordering.statements import (  # noqa: E402
+    deadlocks_retry,
     family,
     insert_if_absent,
     latest_wins_insert,
@@ -104,11 +109,17 @@ class VersionGuard:
         return None if row is None else row._mapping
 
     def stored_version(self, conn: Connection, key: Any) -> Any:
-        """The stored version of ``key``; None if the row is absent or has none."""
-        return conn.execute(select(self.version_column).where(self._match(key))).scalar()
+        """The current stored version of ``key``; None if the row is absent or has none.
+
+        A shared-lock read (``FOR SHARE`` / ``LOCK IN SHARE MODE``; plain on SQLite), so
+        it sees the latest committed row even inside a REPEATABLE READ transaction.
+        """
+        query = select(self.version_column).where(self._match(key)).with_for_update(read=True)
+        return conn.execute(query).scalar()
 
     # -- strict transitions -------------------------------------------------------------
 
+    @deadlocks_retry()
     def compare_and_set(
         self,
         conn: Connection,
@@ -130,12 +141,17 @@ class VersionGuard:
             full = {**self._key_values(key), **row}
             if insert_if_absent(conn, self.table, self.key_columns, full, family(conn)):
                 return True
+            # Read before writing: on MySQL the failed INSERT holds a shared lock, and
+            # upgrading it for nothing invites deadlocks with concurrent writers.
+            if self.stored_version(conn, key) is not None:
+                return False
             condition = self.version_column.is_(None)
         else:
             condition = self.version_column == expected
         done = conn.execute(update(self.table).where(match, condition).values(row))
         return bool(done.rowcount == 1)
 
+    @deadlocks_retry()
     def apply(
         self,
         conn: Connection,
@@ -177,6 +193,7 @@ class VersionGuard:
 
     # -- latest wins --------------------------------------------------------------------
 
+    @deadlocks_retry()
     def upsert_latest(
         self,
         conn: Connection,
@@ -187,8 +204,9 @@ class VersionGuard:
         """Insert or overwrite the row of ``key`` unless it already holds ``version`` or
         later. Returns whether it wrote (exact on every dialect).
 
-        PostgreSQL and SQLite: one statement. MySQL/MariaDB: a conditional UPDATE,
-        then for a new key an INSERT; every write is one conditional statement, so an
+        PostgreSQL and SQLite: one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``.
+        MySQL/MariaDB: a plain read of the stored version, then one conditional write
+        (an UPDATE, or an INSERT for a new key). The writes are conditional, so an
         older message never overwrites a newer row whatever runs concurrently.
         """
         if version is None:
@@ -201,17 +219,26 @@ class VersionGuard:
                 self.table, self.key_columns, self.version_column, [row], dialect
             )
             return bool(conn.execute(stmt).rowcount == 1)
-        # SQLAlchemy's MySQL drivers connect with CLIENT_FOUND_ROWS, so ON DUPLICATE KEY
-        # UPDATE reports "inserted" and "left unchanged" alike; these statements do not.
+        # SQLAlchemy's MySQL drivers connect with CLIENT_FOUND_ROWS, so the row count of
+        # ON DUPLICATE KEY UPDATE cannot tell "inserted" from "left unchanged". The read
+        # takes no lock (an UPDATE of a missing key would take a gap lock, and two
+        # creators of one key would deadlock); stored versions only grow, so a read
+        # that is already new enough settles it.
+        found = conn.execute(select(self.version_column).where(self._match(key))).first()
+        if found is None:
+            if insert_if_absent(conn, self.table, self.key_columns, row, dialect):
+                return True
+            stored = self.stored_version(conn, key)  # created meanwhile: read it again
+        else:
+            stored = found[0]
+        if stored is not None and not _is_after(version, stored):
+            return False
         newer_than_stored = update(self.table).where(
             self._match(key), newer(self.version_column, literal(version, self.version_column.type))
         ).values({k: v for k, v in row.items() if k not in self._key_names})
-        if conn.execute(newer_than_stored).rowcount:
-            return True
-        if insert_if_absent(conn, self.table, self.key_columns, row, dialect):
-            return True
-        return bool(conn.execute(newer_than_stored).rowcount)  # created meanwhile
+        return bool(conn.execute(newer_than_stored).rowcount)
 
+    @deadlocks_retry()
     def upsert_latest_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> int:
         """:meth:`upsert_latest` for many rows in one round trip; returns rows written.
 
@@ -231,7 +258,10 @@ class VersionGuard:
         dialect = family(conn)
         chunk = max(1, MAX_PARAMETERS // len(next(iter(latest.values()))))
         written = 0
-        for batch in _chunks(list(latest.items()), chunk):
+        items = list(latest.items())
+        with suppress(TypeError):  # one lock order for all writers: fewer deadlocks
+            items.sort(key=itemgetter(0))
+        for batch in _chunks(items, chunk):
             if dialect == "mysql":
                 written += self._count_newer(conn, batch)
             stmt = latest_wins_insert(
