@@ -10,7 +10,8 @@ messages are data, never SQL.
   assignments left to right and later ones see earlier results, so the version column
   is assigned last: every other column still compares against the stored version.
   SQLAlchemy renders the incoming row as ``VALUES(col)`` on MariaDB and as a row alias
-  on MySQL 8.0.20+.
+  on MySQL 8.0.20+. (VersionGuard uses it for batches; see ``upsert_latest`` for why a
+  single row takes another path there.)
 """
 
 from __future__ import annotations
@@ -108,18 +109,17 @@ def latest_wins_insert(
     table: Table,
     keys: Sequence[Column[Any]],
     version: Column[Any],
-    rows: Sequence[Mapping[str, Any]],
+    values: Sequence[Column[Any]],
     dialect: Family,
 ) -> Insert:
-    """One INSERT of ``rows`` where an existing row is overwritten only by a newer version.
+    """An INSERT whose rows overwrite an existing row only when their version is newer.
 
-    ``rows`` share one set of column names and hold distinct keys.
+    A template: execute it with parameter rows (holding ``keys``, ``values`` and
+    ``version``), or add rows with ``.values(rows)``; the rows of one execution must
+    hold distinct keys.
     """
-    names = set(rows[0])
-    skip = {c.key for c in keys} | {version.key}
-    values = [c for c in table.columns if c.key in names and c.key not in skip]
     if dialect == "mysql":
-        stmt = mysql.insert(table).values(list(rows))
+        stmt = mysql.insert(table)
         wins = newer(version, stmt.inserted[version.key])
         assignments: list[tuple[str, Any]] = [
             (c.key, case((wins, stmt.inserted[c.key]), else_=c)) for c in values
@@ -127,7 +127,6 @@ def latest_wins_insert(
         assignments.append((version.key, case((wins, stmt.inserted[version.key]), else_=version)))
         return stmt.on_duplicate_key_update(assignments)  # a list keeps this order
     upsert = postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
-    upsert = upsert.values(list(rows))
     return upsert.on_conflict_do_update(
         index_elements=list(keys),
         set_={c.key: upsert.excluded[c.key] for c in [*values, version]},

@@ -43,8 +43,10 @@ from sqlalchemy import (  # noqa: E402
     tuple_,
     update,
 )
+from sqlalchemy.sql.dml import Insert  # noqa: E402
 
 from msgpatterns.ordering.statements import (  # noqa: E402
+    Family,
     deadlocks_retry,
     family,
     insert_if_absent,
@@ -100,6 +102,7 @@ class VersionGuard:
             )
         self._fixed = {c.key for c in self.key_columns} | {self.version_column.key}
         self._value_names = {c.key for c in table.columns} - self._fixed
+        self._templates: dict[tuple[Family, frozenset[str], bool], Insert] = {}
 
     # -- reading ------------------------------------------------------------------------
 
@@ -215,10 +218,7 @@ class VersionGuard:
         row[self.version_column.key] = version
         dialect = family(conn)
         if dialect != "mysql":
-            stmt = latest_wins_insert(
-                self.table, self.key_columns, self.version_column, [row], dialect
-            )
-            return bool(conn.execute(stmt).rowcount == 1)
+            return bool(conn.execute(self._latest_wins(dialect, row), row).rowcount == 1)
         # SQLAlchemy's MySQL drivers connect with CLIENT_FOUND_ROWS, so the row count of
         # ON DUPLICATE KEY UPDATE cannot tell "inserted" from "left unchanged". The read
         # takes no lock (an UPDATE of a missing key would take a gap lock, and two
@@ -247,33 +247,54 @@ class VersionGuard:
         with the highest version (the first of equals). A row without a version raises
         :class:`~msgpatterns.ordering.MissingVersion` before anything is written.
 
-        The count is exact on PostgreSQL and SQLite. On MySQL/MariaDB the write is one
+        The count is exact on PostgreSQL and SQLite. On MySQL/MariaDB the write is an
         ``INSERT ... ON DUPLICATE KEY UPDATE``, whose row count cannot tell a new row
         from an unchanged one, so the count comes from the stored versions read just
         before: a concurrent writer of the same keys can skew it, never the data.
+        Large inputs go in chunks of at most ``MAX_PARAMETERS`` bound values.
         """
         latest = self._latest_per_key(rows)
         if not latest:
             return 0
         dialect = family(conn)
-        chunk = max(1, MAX_PARAMETERS // len(next(iter(latest.values()))))
-        written = 0
         items = list(latest.items())
         with suppress(TypeError):  # one lock order for all writers: fewer deadlocks
             items.sort(key=itemgetter(0))
-        for batch in _chunks(items, chunk):
+        columns = items[0][1]
+        # Executemany: compiled once, sent in pages by SQLAlchemy. RETURNING yields just
+        # the rows written (older SQLite without RETURNING sums the row counts).
+        returning = dialect != "mysql" and conn.dialect.insert_returning
+        template = self._latest_wins(dialect, columns, returning)
+        written = 0
+        for batch in _chunks(items, max(1, MAX_PARAMETERS // len(columns))):
+            rows = [row for _, row in batch]
             if dialect == "mysql":
                 written += self._count_newer(conn, batch)
-            stmt = latest_wins_insert(
-                self.table, self.key_columns, self.version_column,
-                [row for _, row in batch], dialect,
-            )
-            done = conn.execute(stmt)
-            if dialect != "mysql":
-                written += done.rowcount
+                conn.execute(template, rows)
+            elif returning:
+                written += len(conn.execute(template, rows).all())
+            else:
+                written += conn.execute(template, rows).rowcount
         return written
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _latest_wins(
+        self, dialect: Family, row: Mapping[str, Any], returning: bool = False
+    ) -> Insert:
+        """The latest-wins INSERT for rows with the columns of ``row`` (built once);
+        with ``returning`` it returns the key of every row it wrote."""
+        cache_key = (dialect, frozenset(row), returning)
+        template = self._templates.get(cache_key)
+        if template is None:
+            values = [c for c in self.table.columns if c.key in row and c.key not in self._fixed]
+            template = latest_wins_insert(
+                self.table, self.key_columns, self.version_column, values, dialect
+            )
+            if returning:
+                template = template.returning(*self.key_columns)
+            self._templates[cache_key] = template
+        return template
 
     @property
     def _key_names(self) -> set[str]:
