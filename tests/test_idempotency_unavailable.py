@@ -102,6 +102,7 @@ class RecoveringRedis(fakeredis.FakeRedis):
 
 def test_a_store_that_comes_back_within_the_retries_is_transparent() -> None:
     checker = RedisChecker(RecoveringRedis(down=2), policy=FAST)
+    checker._link._direct = False  # commands through the client, where it counts them
     assert checker.claim("k").status is Status.CLAIMED
     assert checker.stats.store_errors == 2
 
@@ -135,12 +136,13 @@ def test_a_killed_redis_connection_is_replaced_transparently(tmp_path: Path) -> 
     with checker_for("redis", tmp_path) as checker:
         assert isinstance(checker, RedisChecker)
         assert checker.claim("before").claimed
-        victim = checker.client.client_id()
+        victim = checker._link.call("CLIENT", "ID")  # this thread's connection
         killer = checker.client.__class__.from_url(checker.spec().url)
         assert killer.client_kill_filter(_id=str(victim)) == 1
         killer.close()
-        assert checker.claim("after").claimed  # redis-py or the retries reconnected
-        assert checker.client.client_id() != victim
+        assert checker.claim("after").claimed  # the retry reconnected
+        assert checker._link.call("CLIENT", "ID") != victim
+        assert checker.stats.store_errors == 1
 
 
 @pytest.mark.parametrize("store", store_params("postgres", "mysql"))
@@ -164,10 +166,12 @@ def test_a_killed_database_connection_is_replaced_transparently(
         assert checker.stats.store_errors >= 1
 
 
+@pytest.mark.parametrize("batches", ["scripts", "pipelines"])
 @pytest.mark.parametrize("store", store_params("fakeredis", "redis"))
-def test_a_flushed_script_cache_is_reloaded(store: str, tmp_path: Path) -> None:
+def test_a_flushed_script_cache_is_reloaded(store: str, batches: str, tmp_path: Path) -> None:
     with checker_for(store, tmp_path) as checker:
         assert isinstance(checker, RedisChecker)
+        checker._cluster = batches == "pipelines"  # the Redis Cluster way of batching
         assert checker.claim("a").claimed
         checker.client.script_flush()  # what a server restart or failover does
         claim = checker.claim("b")
@@ -179,4 +183,33 @@ def test_a_flushed_script_cache_is_reloaded(store: str, tmp_path: Path) -> None:
         assert checker.complete_many(claims) == [True, True]
         checker.client.script_flush()
         assert checker.release(checker.claim("e"))
+        checker.client.script_flush()
+        assert checker.release_many(checker.claim_many(["f", "g"])) == [True, True]
+        assert [c.status.value for c in checker.claim_many(["c", "d", "f"])] == \
+            ["done", "done", "claimed"]
         assert checker.stats.store_errors == 0
+
+
+@pytest.mark.redis
+def test_each_thread_and_each_forked_child_gets_its_own_connection(tmp_path: Path) -> None:
+    import os
+    import threading
+
+    with checker_for("redis", tmp_path) as checker:
+        assert isinstance(checker, RedisChecker)
+        assert checker.claim("parent").claimed
+        parent_id = checker._link.call("CLIENT", "ID")
+        ids: list[int] = []
+        thread = threading.Thread(target=lambda: ids.append(checker._link.call("CLIENT", "ID")))
+        thread.start()
+        thread.join()
+        pid = os.fork()
+        if pid == 0:  # the child: a fresh connection, never the parent's socket
+            ok = checker.claim("child").claimed and \
+                checker._link.call("CLIENT", "ID") != parent_id
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert ids and ids[0] != parent_id
+        assert checker._link.call("CLIENT", "ID") == parent_id  # the parent's is intact
+        assert checker.claim("child").status.value == "in_progress"

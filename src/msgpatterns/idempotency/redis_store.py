@@ -4,8 +4,11 @@ Each key is one Redis string whose value is the state (``P`` or ``D``), the 32-h
 owner token and the optional payload fingerprint. Every write sets an expiry: the
 lease for PROCESSING, ``ttl`` for DONE, so no key ever lives forever and an expired
 lease simply frees the key. Claim, complete and release are Lua scripts run by
-``EVALSHA`` (keys and values travel as script KEYS and ARGV, never as syntax); the
-batch calls send one pipeline, one round trip.
+``EVALSHA`` over any number of keys (keys and values travel as script KEYS and ARGV,
+never as syntax): a single call and a batch call are each one round trip.
+
+On Redis Cluster (a ``RedisCluster`` client) a batch becomes one pipeline of
+single-key script calls, since one script may only touch keys of one hash slot.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency.base import ClaimRequest, LeaseChecker
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import PROCESSING, Record
+from msgpatterns.idempotency.redis_link import RedisLink
 from msgpatterns.idempotency.spec import CheckerSpec, policy_options
 
 if TYPE_CHECKING:
@@ -27,35 +31,58 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisChecker"]
 
-# KEYS[1] key; ARGV[1] "P" .. token .. fingerprint; ARGV[2] lease in ms.
-# Returns 1 when claimed, else {current value, its remaining ms}.
+# ARGV[1] lease in ms; ARGV[i + 1] "P" .. token .. fingerprint for KEYS[i].
+# Per key: 1 when claimed, else {current value, its remaining ms}.
 CLAIM = """
-local v = redis.call('GET', KEYS[1])
-if v then return {v, redis.call('PTTL', KEYS[1])} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+local out = {}
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  if v then
+    out[i] = {v, redis.call('PTTL', key)}
+  else
+    redis.call('SET', key, ARGV[i + 1], 'PX', ARGV[1])
+    out[i] = 1
+  end
+end
+return out
 """
 
-# KEYS[1] key; ARGV[1] token; ARGV[2] ttl in ms; ARGV[3] fingerprint.
-# 1 when the key is (now) DONE by token: also when its lease expired and nobody took it.
+# ARGV[1] ttl in ms; ARGV[2i], ARGV[2i + 1]: token and fingerprint of KEYS[i].
+# Per key: 1 when it is (now) DONE by that token - also when its lease expired and
+# nobody took it - else 0.
 COMPLETE = """
-local v = redis.call('GET', KEYS[1])
-if not v then
-  redis.call('SET', KEYS[1], 'D' .. ARGV[1] .. ARGV[3], 'PX', ARGV[2])
-  return 1
+local out = {}
+for i, key in ipairs(KEYS) do
+  local token, fingerprint = ARGV[2 * i], ARGV[2 * i + 1]
+  local v = redis.call('GET', key)
+  if not v then
+    redis.call('SET', key, 'D' .. token .. fingerprint, 'PX', ARGV[1])
+    out[i] = 1
+  elseif string.sub(v, 2, 33) ~= token then
+    out[i] = 0
+  else
+    if string.sub(v, 1, 1) == 'P' then
+      redis.call('SET', key, 'D' .. string.sub(v, 2), 'PX', ARGV[1])
+    end
+    out[i] = 1
+  end
 end
-if string.sub(v, 2, 33) ~= ARGV[1] then return 0 end
-if string.sub(v, 1, 1) == 'P' then
-  redis.call('SET', KEYS[1], 'D' .. string.sub(v, 2), 'PX', ARGV[2])
-end
-return 1
+return out
 """
 
-# KEYS[1] key; ARGV[1] token. Deletes a PROCESSING key held by token.
+# ARGV[i]: token of KEYS[i]. Per key: 1 when its PROCESSING record held by that token
+# was deleted, else 0.
 RELEASE = """
-local v = redis.call('GET', KEYS[1])
-if v and string.sub(v, 1, 33) == 'P' .. ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+local out = {}
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  if v and string.sub(v, 1, 33) == 'P' .. ARGV[i] then
+    out[i] = redis.call('DEL', key)
+  else
+    out[i] = 0
+  end
+end
+return out
 """
 
 _CHUNK = 1000
@@ -71,10 +98,6 @@ def _record(reply: Any, request: ClaimRequest, lease_ms: int) -> Record:
         return Record(PROCESSING, request.token, request.fingerprint, lease_ms / 1000)
     value, pttl = _text(reply[0]), int(reply[1])
     return Record(value[0], value[1:33], value[33:] or None, max(pttl, 0) / 1000)
-
-
-#: Attempts of a single claim when the key vanishes between SET NX and the read-back.
-_CLAIM_ATTEMPTS = 3
 
 
 def _url_of(client: redis.Redis) -> str:
@@ -152,6 +175,9 @@ class RedisChecker(LeaseChecker):
             self.url = None
             self.client = client_or_url
             self._owns_client = False
+        #: A Redis Cluster client: batches go out as pipelines of single-key calls.
+        self._cluster = hasattr(self.client, "get_nodes")
+        self._link = RedisLink(self.client)
         self._lease_ms = max(1, int(self.lease * 1000))
         self._ttl_ms = max(1, int(self.ttl * 1000))
         self._claim_script = self.client.register_script(CLAIM)
@@ -160,77 +186,68 @@ class RedisChecker(LeaseChecker):
 
     # -- I/O ----------------------------------------------------------------------------
 
-    def _eval(self, script: Any, key: str, *args: Any) -> Any:
-        """One script call (re-loading the script if the server lost it)."""
-        try:
-            return self.client.evalsha(script.sha, 1, key.encode("utf-8"), *args)
-        except self._no_script:
-            script.sha = self.client.script_load(script.script)
-            return self.client.evalsha(script.sha, 1, key.encode("utf-8"), *args)
-
-    def _claim_record(self, request: ClaimRequest) -> Record:
-        """``SET NX PX`` (one round trip, like a hand-written claim); only when the key
-        exists, a second round trip reads what holds it."""
-        key = request.key.encode("utf-8")
-        value = "P" + request.token + (request.fingerprint or "")
-        for _ in range(_CLAIM_ATTEMPTS):
-            if self.client.set(key, value, nx=True, px=self._lease_ms):
-                return _record(1, request, self._lease_ms)
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(key)
-            pipe.pttl(key)
-            current, pttl = pipe.execute()
-            if current is not None:
-                return _record((current, pttl), request, self._lease_ms)
-        # the key keeps vanishing under us (very short leases): report it as busy
-        return Record(PROCESSING, "", None, 0.0)
-
     def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
-        replies = self._pipelined(self._claim_script, [
-            (r.key, ("P" + r.token + (r.fingerprint or ""), self._lease_ms)) for r in requests
-        ])
+        replies = self._run(self._claim_script, [r.key for r in requests], (self._lease_ms,),
+                            [("P" + r.token + (r.fingerprint or ""),) for r in requests])
         return [_record(reply, request, self._lease_ms)
                 for reply, request in zip(replies, requests, strict=True)]
 
-    def _complete_record(self, item: ClaimRequest) -> bool:
-        return bool(self._eval(self._complete_script, item.key, item.token, self._ttl_ms,
-                               item.fingerprint or ""))
-
     def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        replies = self._pipelined(self._complete_script, [
-            (key, (token, self._ttl_ms, fingerprint or "")) for key, token, fingerprint in items
-        ])
-        return [bool(reply) for reply in replies]
+        replies = self._run(self._complete_script, [item.key for item in items],
+                            (self._ttl_ms,),
+                            [(item.token, item.fingerprint or "") for item in items])
+        return [reply == 1 for reply in replies]
 
     def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        if len(items) == 1:
-            return [bool(self._eval(self._release_script, items[0].key, items[0].token))]
-        replies = self._pipelined(self._release_script,
-                                  [(key, (token,)) for key, token, _ in items])
-        return [bool(reply) for reply in replies]
+        replies = self._run(self._release_script, [item.key for item in items], (),
+                            [(item.token,) for item in items])
+        return [reply == 1 for reply in replies]
 
-    def _pipelined(self, script: Any, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-        """Run ``script`` once per (key, args) in pipelines of up to 1000 calls.
+    def _run(self, script: Any, keys: Sequence[str], shared: tuple[Any, ...],
+             per_key: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``script`` over ``keys``: ARGV is ``shared`` then each key's ``per_key``
+        arguments. One call per 1000 keys; one pipeline of single-key calls on a
+        cluster."""
+        if self._cluster and len(keys) > 1:
+            return self._pipelined(script, keys, shared, per_key)
+        replies: list[Any] = []
+        for start in range(0, len(keys), _CHUNK):
+            args = list(shared)
+            for extra in per_key[start:start + _CHUNK]:
+                args.extend(extra)
+            chunk = [key.encode("utf-8") for key in keys[start:start + _CHUNK]]
+            replies.extend(self._eval(script, chunk, args))
+        return replies
+
+    def _eval(self, script: Any, keys: list[bytes], args: list[Any]) -> Any:
+        """One script call, re-loading the script if the server lost it (restart,
+        failover, SCRIPT FLUSH)."""
+        call = self._link.call
+        try:
+            return call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except self._no_script:
+            script.sha = _text(call("SCRIPT", "LOAD", script.script))
+            return call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def _pipelined(self, script: Any, keys: Sequence[str], shared: tuple[Any, ...],
+                   per_key: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``script`` once per key, all in one pipeline (one round trip).
 
         Every script here can run twice with the same arguments and give the same
         answer, so a pipeline that met a flushed script cache is simply sent again.
         """
-        replies: list[Any] = []
-        for start in range(0, len(calls), _CHUNK):
-            chunk = calls[start:start + _CHUNK]
-            for _ in range(2):
-                pipe = self.client.pipeline(transaction=False)
-                for key, args in chunk:
-                    pipe.evalsha(script.sha, 1, key.encode("utf-8"), *args)
-                answers = pipe.execute(raise_on_error=False)
-                if not any(isinstance(a, self._no_script) for a in answers):
-                    break
-                script.sha = self.client.script_load(script.script)
-            for answer in answers:
-                if isinstance(answer, BaseException):
-                    raise answer
-            replies.extend(answers)
-        return replies
+        for _ in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for key, extra in zip(keys, per_key, strict=True):
+                pipe.evalsha(script.sha, 1, key.encode("utf-8"), *shared, *extra)
+            answers = pipe.execute(raise_on_error=False)
+            if not any(isinstance(a, self._no_script) for a in answers):
+                break
+            script.sha = self.client.script_load(script.script)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return [answer[0] for answer in answers]
 
     # -- maintenance ----------------------------------------------------------------------
 
@@ -247,5 +264,6 @@ class RedisChecker(LeaseChecker):
         })
 
     def _close(self) -> None:
+        self._link.close()
         if self._owns_client:
             self.client.close()

@@ -1,0 +1,64 @@
+"""Commands to Redis over one private connection per thread.
+
+A checker sends one or two commands per message, so the client's per-command work
+(taking a connection from the pool and giving it back, instrumentation hooks) costs
+as much as the network round trip itself. Each thread here keeps its own connection,
+built like the client's pool would build it (same class and settings: address, auth,
+TLS, protocol, timeouts), and talks through redis-py's ``Connection`` directly.
+
+Only plain connection pools are used this way; any other client (Sentinel, Cluster,
+custom pools) goes through ``client.execute_command``. A connection error drops the
+connection (the next call reconnects); the checker's policy decides about retries.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import redis
+
+__all__ = ["RedisLink"]
+
+
+class RedisLink:
+    """Sends commands for one checker, thread-safely."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        from redis.connection import ConnectionPool
+
+        self.client = client
+        pool = getattr(client, "connection_pool", None)
+        self._direct = type(pool) is ConnectionPool  # fakeredis uses one too
+        self._pool = pool
+        self._local = threading.local()
+        self._creating = threading.Lock()
+        self._open: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def call(self, *args: Any) -> Any:
+        """Send one command and return its reply (error replies raise)."""
+        if not self._direct:
+            return self.client.execute_command(*args)  # type: ignore[no-untyped-call]
+        conn = self._connection()
+        conn.send_command(*args)
+        return conn.read_response()
+
+    def _connection(self) -> Any:
+        local = self._local
+        conn = getattr(local, "conn", None)
+        if conn is None or local.pid != os.getpid():  # new thread, or a forked child
+            assert self._pool is not None
+            with self._creating:  # one at a time, as the pool does (fakeredis needs it)
+                conn = self._pool.connection_class(**self._pool.connection_kwargs)
+                conn.connect()
+            local.conn, local.pid = conn, os.getpid()
+            self._open.add(conn)
+        return conn
+
+    def close(self) -> None:
+        """Close every thread's connection (each reconnects if used again)."""
+        for conn in list(self._open):
+            conn.disconnect()
