@@ -194,6 +194,7 @@ class OrderedExecutor:
         """Switch to ``lanes`` lanes; hold every partition that changes lane until its
         old lane has drained it. Called with the lock held."""
         old = self._lanes
+        self._threads = [t for t in self._threads if t.is_alive()]  # forget retired lanes
         new = old[:lanes] + [self._start_lane() for _ in range(len(old), lanes)]
         route: list[_Lane] = []
         for lane, owned in zip(new, lane_ranges(lanes, self._partitions), strict=True):

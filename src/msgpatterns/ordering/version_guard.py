@@ -240,7 +240,7 @@ class VersionGuard:
 
     @deadlocks_retry()
     def upsert_latest_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> int:
-        """:meth:`upsert_latest` for many rows in one round trip; returns rows written.
+        """:meth:`upsert_latest` for many rows in one executemany; returns rows written.
 
         Each row maps column names to values and holds the key and version columns;
         all rows have the same columns. Several rows of one key collapse to the one
@@ -267,14 +267,14 @@ class VersionGuard:
         template = self._latest_wins(dialect, columns, returning)
         written = 0
         for batch in _chunks(items, max(1, MAX_PARAMETERS // len(columns))):
-            rows = [row for _, row in batch]
+            params = [row for _, row in batch]
             if dialect == "mysql":
                 written += self._count_newer(conn, batch)
-                conn.execute(template, rows)
+                conn.execute(template, params)
             elif returning:
-                written += len(conn.execute(template, rows).all())
+                written += len(conn.execute(template, params).all())
             else:
-                written += conn.execute(template, rows).rowcount
+                written += conn.execute(template, params).rowcount
         return written
 
     # -- helpers ------------------------------------------------------------------------
