@@ -1,6 +1,6 @@
 """Idempotency checkers vs the raw clients and vs AWS Lambda Powertools, same servers,
 same run. Every measurement alternates ours and the baseline over ``--repeats`` rounds
-and keeps the best round of each (the machine is shared).
+(after a warm-up round) and reports the median round of each (the machine is shared).
 
 1. RedisChecker ``claim`` + ``complete`` per key vs raw redis-py ``SET NX PX`` + ``SET
    PX`` per key. Goal: ours >= 0.8x the raw keys/s.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 import uuid
 import warnings
@@ -41,14 +42,17 @@ LEASE_MS = 30_000
 TTL_MS = 86_400_000
 
 
-def best_pair(repeats: int, ours: Callable[[], float], baseline: Callable[[], float],
-              ) -> tuple[float, float]:
-    """Best seconds of each, measured alternately so both see the same machine load."""
-    best_ours = best_base = float("inf")
+def median_pair(repeats: int, ours: Callable[[], float], baseline: Callable[[], float],
+                ) -> tuple[float, float]:
+    """Median seconds of each over ``repeats`` rounds, measured alternately (and after a
+    warm-up round each) so both see the same machine load."""
+    ours()
+    baseline()
+    mine, base = [], []
     for _ in range(repeats):
-        best_ours = min(best_ours, ours())
-        best_base = min(best_base, baseline())
-    return best_ours, best_base
+        mine.append(ours())
+        base.append(baseline())
+    return statistics.median(mine), statistics.median(base)
 
 
 def rate(count: int, elapsed: float) -> float:
@@ -96,7 +100,7 @@ def redis_single(url: str, n: int, repeats: int) -> None:
             client.set(key, "D", px=TTL_MS)
         return time.perf_counter() - start
 
-    mine, base = best_pair(repeats, ours, raw)
+    mine, base = median_pair(repeats, ours, raw)
     ratio = base / mine
     bench_line("idempotency.redis", "claim+complete keys/s (1 key per call)",
                rate(n, mine), rate(n, base), ratio, ">= 0.8x raw SET NX + SET", ratio >= 0.8,
@@ -133,7 +137,7 @@ def redis_batch(url: str, n: int, repeats: int) -> None:
             pipe.execute()
         return time.perf_counter() - start
 
-    mine, base = best_pair(repeats, ours, raw)
+    mine, base = median_pair(repeats, ours, raw)
     ratio = base / mine
     bench_line("idempotency.redis_batch", f"claim_many+complete_many keys/s (batches of {BATCH})",
                rate(batches * BATCH, mine), rate(batches * BATCH, base), ratio,
@@ -203,12 +207,12 @@ def postgres_batch(url: str, n: int, repeats: int) -> None:
 
     try:
         total = batches * BATCH
-        mine, base = best_pair(repeats, ours_claim, raw_insert)
+        mine, base = median_pair(repeats, ours_claim, raw_insert)
         ratio = base / mine
         bench_line("idempotency.postgres_batch", f"claim_many rows/s (batches of {BATCH})",
                    rate(total, mine), rate(total, base), ratio,
                    ">= 0.7x raw executemany INSERT", ratio >= 0.7, rows=total)
-        mine, base = best_pair(repeats, ours_cycle, raw_cycle)
+        mine, base = median_pair(repeats, ours_cycle, raw_cycle)
         ratio = base / mine
         bench_line("idempotency.postgres_cycle",
                    f"claim_many+complete_many rows/s (batches of {BATCH})",
@@ -280,7 +284,7 @@ def decorator_vs_powertools(url: str, n: int, repeats: int) -> None:
                  ) -> float:
             return timing(handler, checker.flush)
 
-        mine, base = best_pair(repeats, ours, theirs)
+        mine, base = median_pair(repeats, ours, theirs)
         speedup = base / mine
         bench_line("idempotency.decorator_vs_powertools",
                    f"us per new message, @idempotent ({mode}) vs idempotent_function",
@@ -295,7 +299,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=5000, help="keys per round")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--redis-url", default=services.url("redis"))
     parser.add_argument("--postgres-url", default=services.url("postgres"))
     args = parser.parse_args()
