@@ -408,9 +408,9 @@ class LeaseChecker(ABC):
         queued = self._behind.pending(store_key) if self._behind is not None else None
         if queued is not None:  # done here, its completion not written yet
             conflict = fingerprint is not None and queued.fingerprint not in (None, fingerprint)
-            status = Status.CONFLICT if conflict else Status.DONE
-            count_claims(self.stats, (Claim(store_key, status),))
-            return skip_or_raise(self, Claim(store_key, status))
+            skipped = Claim(store_key, Status.CONFLICT if conflict else Status.DONE)
+            self.stats.add(_COUNTERS[skipped.status])
+            return skip_or_raise(self, skipped)
         try:
             claim = self._claim(store_key, fingerprint)
         except StoreUnavailable as exc:
