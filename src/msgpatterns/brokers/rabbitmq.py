@@ -366,6 +366,7 @@ class RabbitMQBroker:
 
     def _lost(self) -> None:
         conn, self._conn, self._channel = self._conn, None, None
+        self._tags.clear()  # consumer tags die with their channel
         with self._cond:
             for buffer in self._buffers.values():
                 buffer.clear()  # their deliveries died with the connection
