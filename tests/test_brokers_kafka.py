@@ -14,7 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker_harness import KAFKA_TEST_CONSUMER, drain, eventually, kafka_cluster
+from broker_harness import (
+    KAFKA_TEST_CONSUMER,
+    drain,
+    eventually,
+    kafka_cluster,
+    require_library,
+)
 from msgpatterns import Consumer, Message, Reject, RetryPolicy
 from msgpatterns import headers as h
 from msgpatterns.brokers._codec import GROUP, TRACEBACK
@@ -90,6 +96,7 @@ def partition_of(message: Message) -> int:
     data=st.data(),
 )
 def test_tracker_never_commits_past_an_unsettled_offset(count: int, data: st.DataObject) -> None:
+    require_library("confluent_kafka", "KafkaBroker")
     from msgpatterns.brokers.kafka import OffsetTracker
 
     start = data.draw(st.integers(0, 1000))

@@ -77,6 +77,7 @@ def close_from_server(connection_name: str) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.floats(min_value=0.0005, max_value=7200.0, allow_nan=False))
 def test_retry_delay_buckets_are_never_early_and_at_most_ten_percent_late(delay: float) -> None:
+    require_library("pika", "RabbitMQBroker")
     from msgpatterns.brokers.rabbitmq import delay_bucket_ms
 
     bucket = delay_bucket_ms(delay)
