@@ -15,12 +15,15 @@ from msgpatterns.testing.checker_fixtures import FakeClock
 DAY = 86400.0
 
 
+OLD = 6_000
+
+
 def fill(url: str, table: str) -> SqlChecker:
-    """12,000 records that expired 29 days ago, one live lease, one fresh DONE record."""
+    """6,000 records that expired 29 days ago, one live lease, one fresh DONE record."""
     month_ago = FakeClock(time.time() - 30 * DAY)
     old = SqlChecker(url, table, ttl=DAY, clock=month_ago)
-    claims = old.claim_many([f"old-{i}" for i in range(12_000)])
-    assert old.complete_many(claims) == [True] * 12_000
+    claims = old.claim_many([f"old-{i}" for i in range(OLD)])
+    assert old.complete_many(claims) == [True] * OLD
     now = SqlChecker(url, table, ttl=DAY)
     assert now.claim("live").claimed
     now.complete(now.claim("fresh"))
@@ -44,23 +47,26 @@ def test_bad_ages_are_refused(text: str) -> None:
 
 
 def test_purge_deletes_expired_records_in_chunks_and_keeps_live_ones(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    sql_url: str, unique: str, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    url = f"sqlite:///{tmp_path / 'dedup.db'}"
-    checker = fill(url, "dedup")
-    assert main(["dedup", "purge", "--url", url, "--table", "dedup", "--older-than", "40d",
-                 "--no-progress"]) == 0
-    assert "purged 0 expired record(s)" in capsys.readouterr().out  # expired 29 days ago only
+    table = f"dedup_{unique}"
+    checker = fill(sql_url, table)
+    try:
+        assert main(["dedup", "purge", "--url", sql_url, "--table", table,
+                     "--older-than", "40d", "--no-progress"]) == 0
+        assert "purged 0 expired record(s)" in capsys.readouterr().out  # 29 days ago only
 
-    assert main(["dedup", "purge", "--url", url, "--table", "dedup", "--older-than", "7d",
-                 "--chunk", "5000"]) == 0
-    captured = capsys.readouterr()
-    assert "purged 12000 expired record(s) from dedup" in captured.out
-    assert "12000/12000" in captured.err  # the progress bar reached the end
-    assert checker.count_expired() == 0
-    assert [c.status for c in checker.claim_many(["live", "fresh", "old-1"])] == \
-        [Status.IN_PROGRESS, Status.DONE, Status.CLAIMED]
-    checker.close()
+        assert main(["dedup", "purge", "--url", sql_url, "--table", table,
+                     "--older-than", "7d", "--chunk", "2500"]) == 0
+        captured = capsys.readouterr()
+        assert f"purged {OLD} expired record(s) from {table}" in captured.out
+        assert f"{OLD}/{OLD}" in captured.err  # the progress bar reached the end
+        assert checker.count_expired() == 0
+        assert [c.status for c in checker.claim_many(["live", "fresh", "old-1"])] == \
+            [Status.IN_PROGRESS, Status.DONE, Status.CLAIMED]
+    finally:
+        checker.store.table.drop()
+        checker.close()
 
 
 def test_purge_of_a_missing_table_fails_clearly(
