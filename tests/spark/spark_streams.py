@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from msgpatterns.spark import SqlSpec
+from msgpatterns.spark.local import drop_last_commit
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, Row, SparkSession
@@ -58,11 +59,7 @@ class FileStream:
 
     def drop_last_commit(self) -> int:
         """Forget that the last batch committed, as if the driver died just before."""
-        commits = self.checkpoint / "commits"
-        last = max(int(p.name) for p in commits.iterdir() if p.name.isdigit())
-        (commits / str(last)).unlink()
-        (commits / f".{last}.crc").unlink(missing_ok=True)
-        return last
+        return drop_last_commit(self.checkpoint)
 
     def new_checkpoint(self) -> None:
         """Start over with an empty checkpoint (a reset): a new query id."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._extras import require
@@ -17,7 +18,7 @@ from msgpatterns._extras import require
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["LOCAL_CONF", "local_spark"]
+__all__ = ["LOCAL_CONF", "drop_last_commit", "local_spark"]
 
 #: Settings that keep a local session small and fast to start.
 LOCAL_CONF: dict[str, str] = {
@@ -55,3 +56,16 @@ def local_spark(
     for key, value in settings.items():
         builder = builder.config(key, value)
     return builder.getOrCreate()
+
+
+def drop_last_commit(checkpoint: str | Path) -> int:
+    """Delete the checkpoint's last ``commits/N`` (and its ``.N.crc``), as if the driver
+    had died after the sink's write and before Spark's commit; returns N.
+
+    The next start of the query runs batch N again, with the same id and data.
+    """
+    commits = Path(checkpoint) / "commits"
+    last = max(int(p.name) for p in commits.iterdir() if p.name.isdigit())
+    (commits / str(last)).unlink()
+    (commits / f".{last}.crc").unlink(missing_ok=True)
+    return last

@@ -11,21 +11,22 @@ order, within a batch or across batches, leave the newest in the table.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._extras import require
-from msgpatterns.errors import ConfigurationError
+from msgpatterns.errors import ConfigurationError, MalformedMessage
 from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
 from msgpatterns.ordering.errors import MissingVersion
+from msgpatterns.ordering.statements import family, newer
 from msgpatterns.spark.resources import SqlSpec, sql_transient_errors
 
 if TYPE_CHECKING:
     from pyspark import Accumulator
     from pyspark.sql import DataFrame, Row
-    from sqlalchemy import URL
+    from sqlalchemy import URL, Connection
 
     from msgpatterns.ordering.version_guard import VersionGuard
 
@@ -86,42 +87,90 @@ class _WritePartition:
         self.target = target
         self.batch_size = batch_size
         self.counters = counters
+        self._seen = 0
 
     def __call__(self, rows: Iterator[Row]) -> None:
         target = self.target
         guard = target.guard()
         transient = sql_transient_errors()
-        seen = keys = written = 0
-        pairs = (self._split(row) for row in rows)
+        keys = written = 0
+        records = self._records(rows)
         with target.sql.engine().connect() as conn:
-            while chunk := list(islice(pairs, self.batch_size)):
-                records = [record for record, _ in chunk]
+            write_chunk: Callable[[list[dict[str, Any]]], int] | None = None
+            while chunk := list(islice(records, self.batch_size)):
+                if write_chunk is None:
+                    write_chunk = chunk_writer(conn, guard, list(chunk[0]))
 
-                def write(records: list[dict[str, Any]] = records) -> int:
+                def write(chunk: list[dict[str, Any]] = chunk,
+                          write_chunk: Callable[[list[dict[str, Any]]], int] = write_chunk,
+                          ) -> int:
                     with conn.begin():
-                        return guard.upsert_latest_many(conn, records)
+                        return write_chunk(chunk)
 
                 written += call_with_retries(write, target.policy, transient,
                                              what=f"upsert_latest into {target.table}")
                 keys += len(chunk)
-                seen += sum(count for _, count in chunk)
+            seen = self._seen
         rows_counter, keys_counter, written_counter = self.counters
         rows_counter.add(seen)
         keys_counter.add(keys)
         written_counter.add(written)
 
-    def _split(self, row: Row) -> tuple[dict[str, Any], int]:
-        """The row to write, and how many input rows it stands for."""
-        record = row.asDict()
-        missing = record.pop(_MISSING)
-        rows = record.pop(_ROWS)
-        if missing:
-            key = tuple(record[k] for k in self.target.key)
-            raise MissingVersion(
-                f"{missing} row(s) of key {key!r} have no {self.target.version!r}; "
-                "filter them out (to a dead-letter table, say) before upsert_latest"
+    def _records(self, rows: Iterator[Row]) -> Iterator[dict[str, Any]]:
+        """The rows to write (without the helper columns, which come last); counts the
+        input rows they stand for in ``_seen``."""
+        self._seen = 0
+        names: list[str] | None = None
+        key_at: list[int] = []
+        for row in rows:
+            if names is None:
+                names = list(row.__fields__[:-2])
+                key_at = [names.index(k) for k in self.target.key]
+            *values, count, missing = row
+            if missing or any(values[i] is None for i in key_at):
+                self._reject(dict(zip(names, values, strict=True)), count, missing)
+            self._seen += count
+            yield dict(zip(names, values, strict=True))
+
+    def _reject(self, record: dict[str, Any], rows: int, missing: int) -> None:
+        key = tuple(record[k] for k in self.target.key)
+        if any(part is None for part in key):
+            raise MalformedMessage(
+                f"{rows} row(s) have no {'/'.join(self.target.key)!r}; filter them out "
+                "before upsert_latest"
             )
-        return record, int(rows)
+        raise MissingVersion(
+            f"{missing} row(s) of key {key!r} have no {self.target.version!r}; "
+            "filter them out (to a dead-letter table, say) before upsert_latest"
+        )
+
+
+def chunk_writer(conn: Connection, guard: VersionGuard,
+                 names: Sequence[str]) -> Callable[[list[dict[str, Any]]], int]:
+    """How ``conn`` writes a chunk of rows with distinct keys; the function returns the
+    number of rows written (inserted, or overwritten by a newer version).
+
+    PostgreSQL and SQLite: the guard's latest-wins statement, compiled once and run as
+    an ``executemany`` (SQLAlchemy batches it into multi-row INSERTs), counting the
+    rows its ``RETURNING`` reports. MySQL/MariaDB:
+    :meth:`VersionGuard.upsert_latest_many <msgpatterns.ordering.VersionGuard.upsert_latest_many>`.
+    """
+    dialect = family(conn)
+    if dialect == "mysql":
+        return lambda records: guard.upsert_latest_many(conn, records)
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    insert = postgresql.insert(guard.table) if dialect == "postgresql" \
+        else sqlite.insert(guard.table)
+    fixed = {c.key for c in guard.key_columns}
+    updated = [c for c in guard.table.columns if c.key in names and c.key not in fixed]
+    version = guard.version_column
+    statement = insert.on_conflict_do_update(
+        index_elements=list(guard.key_columns),
+        set_={c.key: insert.excluded[c.key] for c in updated},
+        where=newer(version, insert.excluded[version.key]),
+    ).returning(guard.key_columns[0])
+    return lambda records: len(conn.execute(statement, records).all())
 
 
 def upsert_latest(
