@@ -30,6 +30,7 @@ from typing import Any
 from msgpatterns import headers as h
 from msgpatterns.brokers.base import Broker, SupportsVirtualTime
 from msgpatterns.deadletter import DeadLetter, DeadLetterStore
+from msgpatterns.deadlines import DeadlineTracker
 from msgpatterns.errors import AckTimeout, MalformedMessage, NeedRetry, seconds
 from msgpatterns.message import Message
 from msgpatterns.ordering.executor import OrderedExecutor
@@ -141,7 +142,7 @@ class Consumer:
         self._in_flight: set[Message] = set()
         self._retry_timers: dict[Message, TimerHandle] = {}
         self._held: dict[Message, float] = {}  # ordered delayed retries: due (broker clock)
-        self._deadlines: dict[Message, TimerHandle] = {}
+        self._deadlines: DeadlineTracker[Message] | None = None
         self._fetching = False
         self._waiting = 0
         self._state = _State.NEW
@@ -150,6 +151,8 @@ class Consumer:
         self._threads: list[threading.Thread] = []
         self._stop_requested = threading.Event()
         self._wheel = TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
+        if self.ack_timeout > 0:
+            self._deadlines = DeadlineTracker(self._wheel, self.ack_timeout, self._deadline)
         self._gate: _KeyGate | None = None
         self._lanes: OrderedExecutor | None = None
 
@@ -303,6 +306,10 @@ class Consumer:
 
     def _next(self) -> Message | None:
         """The next message to run, fetching when needed; None when the worker exits."""
+        try:
+            return self._ready.popleft()  # the common case needs no lock (deque is atomic)
+        except IndexError:
+            pass
         while True:
             with self._cond:
                 while True:
@@ -403,10 +410,8 @@ class Consumer:
     # -- one delivery ---------------------------------------------------------------
 
     def _execute(self, message: Message) -> None:
-        if self.ack_timeout > 0:
-            self._deadlines[message] = self._wheel.schedule(
-                self.ack_timeout, partial(self._deadline, message)
-            )
+        if self._deadlines is not None:
+            self._deadlines.track(message)
         error: BaseException | None = None
         try:
             if self.decoder is not None:
@@ -420,7 +425,6 @@ class Consumer:
         message.handler_finished(error)
 
     def _deadline(self, message: Message) -> None:
-        self._deadlines.pop(message, None)
         error = AckTimeout(
             f"message {message.id} not acked within {self.ack_timeout:g}s "
             f"by handler {self.handler_name}"
@@ -431,9 +435,8 @@ class Consumer:
 
     def _on_settled(self, message: Message, error: BaseException | None) -> None:
         """Act on a settled delivery; runs once, on whichever thread settled it."""
-        deadline = self._deadlines.pop(message, None)
-        if deadline is not None:
-            deadline.cancel()
+        if self._deadlines is not None:
+            self._deadlines.untrack(message)
         retry: Message | None = None
         delay = 0.0
         hold = False

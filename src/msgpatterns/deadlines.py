@@ -1,0 +1,90 @@
+"""DeadlineTracker: expire items that stay tracked longer than one fixed timeout.
+
+Every item gets the same timeout, so the order items are tracked in is the order
+their deadlines fall in. The tracker keeps them in an insertion-ordered dict (O(1)
+``track`` and ``untrack``, no allocation beyond the dict slot) and keeps ONE timer on a
+:class:`~msgpatterns.TimingWheel`, due when the oldest tracked item expires. This is how
+the consumer gives every unacked message its ack deadline without scheduling and
+cancelling a timer per message.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+from msgpatterns.timer import TimingWheel
+
+__all__ = ["DeadlineTracker"]
+
+T = TypeVar("T", bound=Hashable)
+
+
+class DeadlineTracker(Generic[T]):
+    """Calls ``on_expire(item)`` (on the wheel thread) for every item tracked longer
+    than ``timeout`` seconds and not untracked since.
+
+    Guarantees: an item is never expired before its timeout; it is expired at most one
+    wheel tick (plus scheduling noise) after it; an untracked item is never expired;
+    ``on_expire`` runs at most once per :meth:`track`. ``track``/``untrack`` are safe
+    from any thread and take no lock.
+    """
+
+    def __init__(
+        self,
+        wheel: TimingWheel,
+        timeout: float,
+        on_expire: Callable[[T], object],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        self._wheel = wheel
+        self._timeout = timeout
+        self._on_expire = on_expire
+        self._clock = clock
+        self._due: dict[T, float] = {}
+        self._armed = False
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def track(self, item: T) -> None:
+        """Start the timeout of a new ``item`` now."""
+        self._due[item] = self._clock() + self._timeout
+        if not self._armed:
+            self._arm(self._timeout)
+
+    def untrack(self, item: T) -> bool:
+        """Stop ``item``'s timeout; False if it was not tracked (or already expired)."""
+        return self._due.pop(item, None) is not None
+
+    def _arm(self, delay: float) -> None:
+        with self._lock:
+            if not self._armed:
+                self._armed = True
+                self._wheel.schedule(delay, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self._clock()
+        expired: list[T] = []
+        next_due: float | None = None
+        with self._lock:
+            for item, due in list(self._due.items()):  # oldest first; one C-level copy
+                if due > now:
+                    next_due = due
+                    break
+                expired.append(item)
+            if next_due is None:
+                self._armed = False
+            else:
+                self._wheel.schedule(next_due - now, self._sweep)
+        for item in expired:
+            if self._due.pop(item, None) is not None:  # not untracked meanwhile
+                self._on_expire(item)
+        if self._due and not self._armed:  # tracked while we were disarming
+            self._arm(self._timeout)
