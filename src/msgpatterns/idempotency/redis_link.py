@@ -37,6 +37,12 @@ class RedisLink:
         self._local = threading.local()
         self._creating = threading.Lock()
         self._open: weakref.WeakSet[Any] = weakref.WeakSet()
+        # a forked child must not talk over its parent's sockets: it starts afresh
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._local = threading.local()
+        self._open = weakref.WeakSet()
 
     def call(self, *args: Any) -> Any:
         """Send one command and return its reply (error replies raise)."""
@@ -47,14 +53,13 @@ class RedisLink:
         return conn.read_response()
 
     def _connection(self) -> Any:
-        local = self._local
-        conn = getattr(local, "conn", None)
-        if conn is None or local.pid != os.getpid():  # new thread, or a forked child
+        conn = getattr(self._local, "conn", None)
+        if conn is None:  # a new thread (or a forked child)
             assert self._pool is not None
             with self._creating:  # one at a time, as the pool does (fakeredis needs it)
                 conn = self._pool.connection_class(**self._pool.connection_kwargs)
                 conn.connect()
-            local.conn, local.pid = conn, os.getpid()
+            self._local.conn = conn
             self._open.add(conn)
         return conn
 

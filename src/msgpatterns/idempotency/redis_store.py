@@ -186,6 +186,17 @@ class RedisChecker(LeaseChecker):
 
     # -- I/O ----------------------------------------------------------------------------
 
+    def _claim_record(self, request: ClaimRequest) -> Record:
+        value = "P" + request.token + (request.fingerprint or "")
+        (reply,) = self._eval(self._claim_script, [request.key.encode("utf-8")],
+                              [self._lease_ms, value])
+        return _record(reply, request, self._lease_ms)
+
+    def _complete_record(self, item: ClaimRequest) -> bool:
+        (reply,) = self._eval(self._complete_script, [item.key.encode("utf-8")],
+                              [self._ttl_ms, item.token, item.fingerprint or ""])
+        return bool(reply == 1)
+
     def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
         replies = self._run(self._claim_script, [r.key for r in requests], (self._lease_ms,),
                             [("P" + r.token + (r.fingerprint or ""),) for r in requests])
