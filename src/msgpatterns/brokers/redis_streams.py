@@ -455,7 +455,13 @@ class RedisStreamsBroker:
             by_stream.setdefault((r.stream, r.group, r.retry), []).append(r.entry_id)
 
         def send() -> None:
-            pipe = self._redis.pipeline(transaction=True)
+            if len(by_stream) == 1 and not next(iter(by_stream))[2]:
+                (stream, group, _), ids = next(iter(by_stream.items()))
+                self._redis.xack(stream, group, *ids)  # the common case: one command
+                return
+            # XACK is idempotent and an acked retry entry is never read again (reads
+            # take new entries only), so these need no MULTI/EXEC around them.
+            pipe = self._redis.pipeline(transaction=False)
             for (stream, group, retry), ids in by_stream.items():
                 pipe.xack(stream, group, *ids)
                 if retry:
