@@ -356,7 +356,7 @@ class LeaseChecker(ABC):
         fingerprints: Sequence[str | None] | None = None,
     ) -> list[Claim]:
         claims = claim_batch(
-            [self.keys.build(key, group) for key in keys], fingerprints,
+            self.keys.build_many(keys, group), fingerprints,
             lambda batch: self._io(lambda: self._claim_records(batch), "claim_many"),
             self.lease,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Iterable
 
 from msgpatterns.errors import ConfigurationError
 
@@ -94,6 +95,14 @@ class KeyBuilder:
         :func:`normalise_key`), :class:`ConfigurationError` for a bad group.
         """
         prefix, size = self._prefix(group)
+        return self._joined(prefix, size, key)
+
+    def build_many(self, keys: Iterable[object], group: str = "") -> list[str]:
+        """:meth:`build` for many keys of one group."""
+        prefix, size = self._prefix(group)
+        return [self._joined(prefix, size, key) for key in keys]
+
+    def _joined(self, prefix: str, size: int, key: object) -> str:
         value = normalise_key(key)
         if isinstance(value, bytes):
             return prefix + HASH_MARKER + hashlib.sha256(value).hexdigest()

@@ -63,12 +63,17 @@ class DedupKey(TypeDecorator[str]):
         return dialect.type_descriptor(sa.String(KEY_BYTES))
 
     def process_bind_param(self, value: str | None, dialect: Dialect) -> Any:
-        if value is not None and _is_mysql(dialect):
-            return value.encode("utf-8")
-        return value
+        return value.encode("utf-8") if value is not None else None
 
     def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
         return value.decode("utf-8") if isinstance(value, bytes) else value
+
+    # Text needs no conversion elsewhere: no per-value call on PostgreSQL and SQLite.
+    def bind_processor(self, dialect: Dialect) -> Any:
+        return super().bind_processor(dialect) if _is_mysql(dialect) else None
+
+    def result_processor(self, dialect: Dialect, coltype: object) -> Any:
+        return super().result_processor(dialect, coltype) if _is_mysql(dialect) else None
 
 
 def dedup_table(name: str, metadata: sa.MetaData) -> sa.Table:

@@ -133,7 +133,7 @@ class TransactionalSqlChecker(SqlMaintenance):
             raise ConfigurationError(
                 "TransactionalSqlChecker claims inside a transaction: pass tx=<Connection>"
             )
-        claims = claim_batch([self.keys.build(key, group) for key in keys], fingerprints,
+        claims = claim_batch(self.keys.build_many(keys, group), fingerprints,
                              lambda batch: self._claim_in(tx, batch), 0.0)
         count_claims(self.stats, claims)
         return claims
