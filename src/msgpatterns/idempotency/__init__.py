@@ -13,9 +13,9 @@ neither redis nor SQLAlchemy.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from msgpatterns._extras import lazy_attributes
 from msgpatterns.idempotency.base import Checker, Executed, LeaseChecker
 from msgpatterns.idempotency.decorator import idempotent
 from msgpatterns.idempotency.fingerprint import fingerprint_of
@@ -57,10 +57,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'msgpatterns.idempotency' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
