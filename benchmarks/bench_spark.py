@@ -157,8 +157,8 @@ def _fmt(times: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--scale-rows", type=int, default=300_000)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--scale-rows", type=int, default=500_000)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--postgres-url", default=services.url("postgres"))
     args = parser.parse_args()
 

@@ -2,11 +2,11 @@
 
 Inside the batch, Spark keeps one row per key: the highest version (ties broken by the
 other columns, so a re-run picks the same row). Executors then write their partitions
-in chunks with :meth:`VersionGuard.upsert_latest_many
-<msgpatterns.ordering.VersionGuard.upsert_latest_many>`: an existing row is replaced
-only by a strictly newer version. Re-running a batch, or the rest of a half-written
-one, therefore changes nothing that is already there - and versions arriving out of
-order, within a batch or across batches, leave the newest in the table.
+in chunks with :class:`~msgpatterns.ordering.VersionGuard`'s latest-wins statement: an
+existing row is replaced only by a strictly newer version. Re-running a batch, or the
+rest of a half-written one, therefore changes nothing that is already there - and
+versions arriving out of order, within a batch or across batches, leave the newest in
+the table.
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError, MalformedMessage
 from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
 from msgpatterns.ordering.errors import MissingVersion
-from msgpatterns.ordering.statements import family, newer
 from msgpatterns.spark.resources import SqlSpec, sql_transient_errors
+
+require("sqlalchemy", "spark")
+
+from msgpatterns.ordering.statements import family, newer  # noqa: E402
 
 if TYPE_CHECKING:
     from pyspark import Accumulator
@@ -87,39 +90,36 @@ class _WritePartition:
         self.target = target
         self.batch_size = batch_size
         self.counters = counters
-        self._seen = 0
 
     def __call__(self, rows: Iterator[Row]) -> None:
+        tally = [0]  # input rows behind the records read so far
+        records = self._records(rows, tally)
+        chunk = list(islice(records, self.batch_size))
+        if not chunk:
+            return  # an empty partition opens no connection
         target = self.target
         guard = target.guard()
         transient = sql_transient_errors()
         keys = written = 0
-        records = self._records(rows)
         with target.sql.engine().connect() as conn:
-            write_chunk: Callable[[list[dict[str, Any]]], int] | None = None
-            while chunk := list(islice(records, self.batch_size)):
-                if write_chunk is None:
-                    write_chunk = chunk_writer(conn, guard, list(chunk[0]))
-
-                def write(chunk: list[dict[str, Any]] = chunk,
-                          write_chunk: Callable[[list[dict[str, Any]]], int] = write_chunk,
-                          ) -> int:
+            write_chunk = chunk_writer(conn, guard, list(chunk[0]))
+            while chunk:
+                def write(chunk: list[dict[str, Any]] = chunk) -> int:
                     with conn.begin():
                         return write_chunk(chunk)
 
                 written += call_with_retries(write, target.policy, transient,
                                              what=f"upsert_latest into {target.table}")
                 keys += len(chunk)
-            seen = self._seen
+                chunk = list(islice(records, self.batch_size))
         rows_counter, keys_counter, written_counter = self.counters
-        rows_counter.add(seen)
+        rows_counter.add(tally[0])
         keys_counter.add(keys)
         written_counter.add(written)
 
-    def _records(self, rows: Iterator[Row]) -> Iterator[dict[str, Any]]:
-        """The rows to write (without the helper columns, which come last); counts the
-        input rows they stand for in ``_seen``."""
-        self._seen = 0
+    def _records(self, rows: Iterator[Row], tally: list[int]) -> Iterator[dict[str, Any]]:
+        """The rows to write, without the two helper columns (they come last); adds the
+        input rows each stands for to ``tally[0]``."""
         names: list[str] | None = None
         key_at: list[int] = []
         for row in rows:
@@ -129,7 +129,7 @@ class _WritePartition:
             *values, count, missing = row
             if missing or any(values[i] is None for i in key_at):
                 self._reject(dict(zip(names, values, strict=True)), count, missing)
-            self._seen += count
+            tally[0] += count
             yield dict(zip(names, values, strict=True))
 
     def _reject(self, record: dict[str, Any], rows: int, missing: int) -> None:
