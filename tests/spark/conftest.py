@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import spark_streams
 import sqlalchemy as sa
-from spark_streams import FileStream, orders_table
+from spark_streams import FileStream, events_table, orders_table
 
 from msgpatterns.testing import services
 
@@ -65,9 +65,19 @@ def engine(db_url: str) -> Iterator[sa.Engine]:
     engine.dispose()
 
 
-@pytest.fixture
-def orders(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
-    table = orders_table(f"spark_orders_{unique}")
+def _created(engine: sa.Engine, table: sa.Table) -> Iterator[sa.Table]:
     table.create(engine)
     yield table
     table.drop(engine)
+
+
+@pytest.fixture
+def orders(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
+    """The latest state per order (key order_id, version column)."""
+    yield from _created(engine, orders_table(f"spark_orders_{unique}"))
+
+
+@pytest.fixture
+def events(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
+    """An append-only table of events."""
+    yield from _created(engine, events_table(f"spark_events_{unique}"))

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from msgpatterns.spark import SqlSpec
+from msgpatterns.spark.demo import AppendRows
 from msgpatterns.spark.local import drop_last_commit
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, Row, SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
 #: The order events every stream test reads.
 EVENT_SCHEMA = "order_id STRING, version BIGINT, status STRING, event_id STRING"
@@ -103,25 +103,10 @@ def events_table(name: str) -> sa.Table:
     )
 
 
-class AppendFromExecutors:
-    """``foreachPartition``: plain INSERTs of the partition's rows (no dedup at all)."""
-
-    def __init__(self, url: str, table: str) -> None:
-        self.spec = SqlSpec.of(url)
-        self.table = table
-
-    def __call__(self, rows: Iterator[Row]) -> None:
-        records = [r.asDict() for r in rows]
-        if records:
-            table = self.spec.table(self.table)
-            with self.spec.engine().begin() as conn:
-                conn.execute(table.insert(), records)
-
-
 def append_sink(url: str, table: sa.Table) -> Any:
     def write(df: DataFrame, batch_id: int) -> None:
         df.select("event_id", "order_id", "version").foreachPartition(
-            AppendFromExecutors(url, table.name)
+            AppendRows(url, table.name)
         )
     return write
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
-from spark_streams import FileStream, append_sink, appended, event, events_table
+from spark_streams import FileStream, append_sink, appended, event
 
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.spark import BatchLedger, idempotent_batch, streaming_query_id
@@ -21,14 +21,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 pytestmark = pytest.mark.spark
-
-
-@pytest.fixture
-def events(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
-    table = events_table(f"spark_events_{unique}")
-    table.create(engine)
-    yield table
-    table.drop(engine)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import pytest
 import sqlalchemy as sa
 from spark_streams import (
     EVENT_SCHEMA,
-    AppendFromExecutors,
     FileStream,
     appended,
     event,
@@ -26,6 +25,7 @@ from msgpatterns.idempotency import (
     checker_from_spec,
 )
 from msgpatterns.spark import DedupStats, dedup_rows
+from msgpatterns.spark.demo import AppendRows
 from msgpatterns.testing import services
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def test_resent_events_are_written_once(
         with dedup_rows(df, checker_spec, key="event_id", group="orders") as fresh:
             stats.append(fresh.stats)
             fresh.df.select("event_id", "order_id", "version").foreachPartition(
-                AppendFromExecutors(sqlite_url, events.name))
+                AppendRows(sqlite_url, events.name))
 
     stream.add(event("o1", 1), event("o2", 1), event("o2", 1))   # a duplicate in the batch
     stream.add(event("o2", 1), event("o1", 2))                   # o2 v1 resent

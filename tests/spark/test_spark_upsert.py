@@ -142,43 +142,40 @@ def test_a_partition_that_fails_half_way_is_completed_when_the_batch_is_retried(
         conn.exec_driver_sql(f"DROP TABLE {fault}")
 
 
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+@SQLITE_ONLY
 def test_mistakes_are_reported_on_the_driver_before_any_write(
-    spark: SparkSession, sqlite_url: str, unique: str,
+    spark: SparkSession, db_url: str, engine: sa.Engine, orders: sa.Table, unique: str,
 ) -> None:
-    engine = sa.create_engine(sqlite_url)
-    orders = orders_table(f"orders_{unique}")
-    orders.create(engine)
     loose = sa.Table(f"loose_{unique}", sa.MetaData(), *[
         sa.Column(c.name, c.type) for c in orders.columns])  # no primary key
     loose.create(engine)
     df = frame(spark, event("o1", 1))
 
     with pytest.raises(ConfigurationError, match="does not exist"):
-        upsert_latest(df, sqlite_url, "missing", key="order_id", version="version")
+        upsert_latest(df, db_url, "missing", key="order_id", version="version")
     with pytest.raises(ConfigurationError, match="no column"):
-        upsert_latest(df.withColumn("extra", df.version), sqlite_url, orders.name,
+        upsert_latest(df.withColumn("extra", df.version), db_url, orders.name,
                       key="order_id", version="version")
     with pytest.raises(ConfigurationError, match="no column"):
-        upsert_latest(df, sqlite_url, orders.name, key="order_id", version="revision")
+        upsert_latest(df, db_url, orders.name, key="order_id", version="revision")
     with pytest.raises(ConfigurationError, match="unique"):
-        upsert_latest(df, sqlite_url, loose.name, key="order_id", version="version")
+        upsert_latest(df, db_url, loose.name, key="order_id", version="version")
     with pytest.raises(ConfigurationError, match="batch_size"):
-        upsert_latest(df, sqlite_url, orders.name, key="order_id", version="version",
+        upsert_latest(df, db_url, orders.name, key="order_id", version="version",
                       batch_size=0)
     assert read_table(engine, orders) == {}
-    engine.dispose()
 
 
+@SQLITE_ONLY
 def test_a_row_without_a_version_fails_the_job_with_a_clear_error(
-    spark: SparkSession, sqlite_url: str, unique: str,
+    spark: SparkSession, db_url: str, orders: sa.Table,
 ) -> None:
-    engine = sa.create_engine(sqlite_url)
-    orders = orders_table(f"orders_{unique}")
-    orders.create(engine)
     df = frame(spark, event("o1", 2), {**event("o1", 3), "version": None})
     with pytest.raises(Exception, match=r"MissingVersion: 1 row\(s\) of key \('o1',\)"):
-        upsert_latest(df, sqlite_url, orders.name, key="order_id", version="version")
-    engine.dispose()
+        upsert_latest(df, db_url, orders.name, key="order_id", version="version")
 
 
 class Counter:

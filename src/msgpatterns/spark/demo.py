@@ -156,8 +156,9 @@ class Tables:
             return {"orders": orders, "payments": paid, "dead_letters": dead.scalar_one()}
 
 
-class AppendPayments:
-    """``foreachPartition``: insert the partition's payments (one transaction)."""
+class AppendRows:
+    """``foreachPartition``: insert the partition's rows into ``table`` (one
+    transaction, no dedup of its own)."""
 
     def __init__(self, url: str, table: str) -> None:
         self.spec = SqlSpec.of(url)
@@ -197,7 +198,7 @@ def build_sink(tables: Tables, ledger: BatchLedger, checker: SqlChecker,
             paid = good.where(F.col("status") == "paid")
             with dedup_rows(paid, checker_spec, key="event_id", group="payments") as fresh:
                 fresh.df.select("event_id", "order_id", "amount_cents").foreachPartition(
-                    AppendPayments(tables.url, tables.payments.name))
+                    AppendRows(tables.url, tables.payments.name))
             dead = [{"batch_id": batch_id, "line": r["_corrupt_record"] or json.dumps(
                 r.asDict()), "reason": "malformed JSON or missing order_id/version"}
                 for r in bad.collect()]
