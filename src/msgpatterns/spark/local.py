@@ -18,7 +18,7 @@ from msgpatterns._extras import require
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["LOCAL_CONF", "drop_last_commit", "local_spark"]
+__all__ = ["FAST_START", "LOCAL_CONF", "drop_last_commit", "local_spark"]
 
 #: Settings that keep a local session small and fast to start.
 LOCAL_CONF: dict[str, str] = {
@@ -28,9 +28,11 @@ LOCAL_CONF: dict[str, str] = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.adaptive.coalescePartitions.enabled": "false",
     "spark.driver.memory": "1g",
-    # a short-lived JVM: the client compiler and the serial collector start fastest
-    "spark.driver.extraJavaOptions": "-XX:+UseSerialGC -XX:TieredStopAtLevel=1",
 }
+
+#: JVM options for a short-lived session: the client compiler and the serial collector
+#: start fastest (long jobs run slower with them).
+FAST_START = "-XX:+UseSerialGC -XX:TieredStopAtLevel=1"
 
 
 def local_spark(
@@ -39,8 +41,12 @@ def local_spark(
     app_name: str = "msgpatterns",
     shuffle_partitions: int = 2,
     conf: Mapping[str, Any] | None = None,
+    fast_start: bool = True,
 ) -> SparkSession:
     """A local SparkSession (or the active one, reconfigured where Spark allows).
+
+    ``fast_start`` tunes the JVM for short runs (tests, demos); turn it off for
+    measurements.
 
     Sets ``PYSPARK_PYTHON`` to this interpreter unless it is set already: PySpark
     starts its Python workers with that program (``python3`` otherwise, which may
@@ -52,6 +58,7 @@ def local_spark(
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.master(master).appName(app_name)
     settings = {**LOCAL_CONF, "spark.sql.shuffle.partitions": str(shuffle_partitions),
+                **({"spark.driver.extraJavaOptions": FAST_START} if fast_start else {}),
                 **{k: str(v) for k, v in (conf or {}).items()}}
     for key, value in settings.items():
         builder = builder.config(key, value)
