@@ -13,8 +13,9 @@ extra (PySpark, SQLAlchemy); nothing is imported until first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from msgpatterns._extras import lazy_attributes
 
 if TYPE_CHECKING:
     from msgpatterns.spark.batch import (
@@ -57,10 +58,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'msgpatterns.spark' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
