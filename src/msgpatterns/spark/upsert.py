@@ -11,7 +11,7 @@ the table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -24,12 +24,11 @@ from msgpatterns.spark.resources import SqlSpec, sql_transient_errors
 
 require("sqlalchemy", "spark")
 
-from msgpatterns.ordering.statements import family, newer  # noqa: E402
 
 if TYPE_CHECKING:
     from pyspark import Accumulator
     from pyspark.sql import DataFrame, Row
-    from sqlalchemy import URL, Connection
+    from sqlalchemy import URL
 
     from msgpatterns.ordering.version_guard import VersionGuard
 
@@ -102,11 +101,10 @@ class _WritePartition:
         transient = sql_transient_errors()
         keys = written = 0
         with target.sql.engine().connect() as conn:
-            write_chunk = chunk_writer(conn, guard, list(chunk[0]))
             while chunk:
                 def write(chunk: list[dict[str, Any]] = chunk) -> int:
                     with conn.begin():
-                        return write_chunk(chunk)
+                        return guard.upsert_latest_many(conn, chunk)
 
                 written += call_with_retries(write, target.policy, transient,
                                              what=f"upsert_latest into {target.table}")
@@ -143,34 +141,6 @@ class _WritePartition:
             f"{missing} row(s) of key {key!r} have no {self.target.version!r}; "
             "filter them out (to a dead-letter table, say) before upsert_latest"
         )
-
-
-def chunk_writer(conn: Connection, guard: VersionGuard,
-                 names: Sequence[str]) -> Callable[[list[dict[str, Any]]], int]:
-    """How ``conn`` writes a chunk of rows with distinct keys; the function returns the
-    number of rows written (inserted, or overwritten by a newer version).
-
-    PostgreSQL and SQLite: the guard's latest-wins statement, compiled once and run as
-    an ``executemany`` (SQLAlchemy batches it into multi-row INSERTs), counting the
-    rows its ``RETURNING`` reports. MySQL/MariaDB:
-    :meth:`VersionGuard.upsert_latest_many <msgpatterns.ordering.VersionGuard.upsert_latest_many>`.
-    """
-    dialect = family(conn)
-    if dialect == "mysql":
-        return lambda records: guard.upsert_latest_many(conn, records)
-    from sqlalchemy.dialects import postgresql, sqlite
-
-    insert = postgresql.insert(guard.table) if dialect == "postgresql" \
-        else sqlite.insert(guard.table)
-    fixed = {c.key for c in guard.key_columns}
-    updated = [c for c in guard.table.columns if c.key in names and c.key not in fixed]
-    version = guard.version_column
-    statement = insert.on_conflict_do_update(
-        index_elements=list(guard.key_columns),
-        set_={c.key: insert.excluded[c.key] for c in updated},
-        where=newer(version, insert.excluded[version.key]),
-    ).returning(guard.key_columns[0])
-    return lambda records: len(conn.execute(statement, records).all())
 
 
 def upsert_latest(
