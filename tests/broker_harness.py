@@ -243,7 +243,7 @@ def kafka_cluster() -> Any:
     global _kafka_cluster
     require_library("confluent_kafka", "KafkaBroker")
     if _kafka_cluster is None:
-        from msgpatterns.brokers.kafka_mock import KafkaMockCluster
+        from msgpatterns.testing.kafka_mock import KafkaMockCluster
 
         _kafka_cluster = KafkaMockCluster()
     return _kafka_cluster
@@ -286,15 +286,57 @@ class KafkaHarness(Harness):
         broker._groups.clear()  # type: ignore[attr-defined]
 
 
+class NatsHarness(Harness):
+    name = "nats"
+    crash_window = 3.0  # the visibility timeout (ack_wait) plus a fetch
+    quiet = 1.5
+
+    def __init__(self, unique: str) -> None:
+        require_library("nats", "NatsJetStreamBroker")
+        super().__init__(unique)
+        self.url = services.require("nats")
+
+    def _make(self) -> Any:
+        from msgpatterns.brokers import NatsJetStreamBroker
+
+        return NatsJetStreamBroker(self.url, visibility_timeout=1.0)
+
+    def crash(self, broker: Broker) -> None:
+        broker.close()  # type: ignore[attr-defined]  # held deliveries are never acked
+
+    def cleanup(self) -> None:
+        super().cleanup()
+        delete_nats_stream(self.url, self.topic)
+
+
+def delete_nats_stream(url: str, topic: str) -> None:
+    import asyncio
+
+    import nats
+
+    from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
+
+    async def delete() -> None:
+        nc = await nats.connect(url)
+        try:
+            with contextlib.suppress(Exception):
+                await nc.jetstream().delete_stream(NatsJetStreamBroker.stream_name(topic))
+        finally:
+            await nc.close()
+
+    asyncio.run(delete())
+
+
 HARNESSES: dict[str, type[Harness]] = {
     "memory": MemoryHarness,
     "redis": RedisHarness,
     "rabbitmq": RabbitMQHarness,
     "kafka": KafkaHarness,
+    "nats": NatsHarness,
 }
 
 MARKS = {"redis": pytest.mark.redis, "rabbitmq": pytest.mark.rabbitmq,
-         "kafka": pytest.mark.kafka}
+         "kafka": pytest.mark.kafka, "nats": pytest.mark.nats}
 
 
 def harness_params() -> list[Any]:

@@ -8,9 +8,18 @@ Guarantees:
   (auto ack), an explicit ``message.ack``, the handler raising, the ack deadline, or
   the consumer stopping. The outcome goes through :meth:`RetryPolicy.decide`.
 * ``stop(timeout)`` stops fetching, lets in-flight work finish until ``timeout``, then
-  hands every message still unsettled back to the broker: nothing is lost.
+  hands every message still unsettled back to the broker: nothing is lost. When it
+  returns, no handler of the consumer runs again and every thread it started is gone.
+* A settlement that fails (the broker call raises, the dead-letter record cannot be
+  sent) is settled another way - a fallback dead letter, or a nack for redelivery -
+  never left hanging.
 * In ordered mode a key's messages run one at a time in delivery order; a message
   being retried holds its key, so later messages of that key wait (other keys go on).
+* Batches: an ``@idempotent`` handler's messages are claimed many at a time (one
+  ``claim_many`` round trip per batch taken from the fetched messages) and completed
+  many at a time (one ``complete_many``), and their acks go out only after that
+  completion returned (DONE before ack). A batch handler (``batch=True``) receives a
+  list of messages and settles each message on its own (see :class:`Consumer`).
 """
 
 from __future__ import annotations
@@ -21,31 +30,59 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgpatterns import headers as h
-from msgpatterns.brokers.base import Broker, SupportsVirtualTime
-from msgpatterns.deadletter import DeadLetter, DeadLetterStore
+from msgpatterns._callables import require_sync_callable
+from msgpatterns.brokers.base import Broker, SupportsAckMany
+from msgpatterns.brokers.virtual_time import jump_to_next_due
+from msgpatterns.deadletter import DeadLetter, DeadLetterStore, format_traceback
 from msgpatterns.deadlines import DeadlineTracker
-from msgpatterns.errors import AckTimeout, MalformedMessage, NeedRetry, seconds
+from msgpatterns.errors import (
+    AckTimeout,
+    BrokerClosed,
+    ConfigurationError,
+    MalformedMessage,
+    NeedRetry,
+    PartialFailure,
+    describe,
+    printable,
+    seconds,
+)
+from msgpatterns.idempotency.batch import BatchGuard, Entry, guard_of
 from msgpatterns.message import Message
+from msgpatterns.observability import stats as _obs
 from msgpatterns.ordering.executor import OrderedExecutor
-from msgpatterns.retry import Action, RetryPolicy
+from msgpatterns.retry import Action, RetryPolicy, Verdict
+from msgpatterns.settlement import failure_headers
 from msgpatterns.timer import TimerHandle, TimingWheel
 
-__all__ = ["Consumer", "ConsumerStats", "Handler"]
+if TYPE_CHECKING:
+    from msgpatterns.observability.stats import Health
+
+__all__ = ["BatchHandler", "Consumer", "ConsumerStats", "Handler"]
 
 log = logging.getLogger("msgpatterns.consumer")
 
 Handler = Callable[[Message], Any]
+#: A batch handler (``Consumer(..., batch=True)``): receives a list of messages.
+BatchHandler = Callable[[list[Message]], Any]
 
 
 class _Released(Exception):
     """Internal: the consumer is stopping and hands the message back unprocessed."""
+
+
+#: Per thread: the Consumer whose worker, pump or lane thread this is (stop() from
+#: one of them only requests the stop: waiting there would wait for itself).
+_own_thread = threading.local()
+
+#: Delay of a fallback redelivery when the retry policy could not decide.
+_FALLBACK_DELAY = 1.0
 
 
 @dataclass
@@ -79,25 +116,57 @@ class Consumer:
     Args:
         broker: any :class:`~msgpatterns.brokers.base.Broker`.
         handler: ``handler(message)``; return to ack, raise to fail (see RetryPolicy).
+            A plain (sync) callable: an ``async def`` is refused with ``TypeError``
+            (it would "finish" before its body ran; use ``msgpatterns.aio``).
+            With ``batch=True``: ``handler(messages)``, see below.
         topics: topics (streams, queues) to consume.
         group: consumer group; each group receives every message once (at least).
         workers: handler threads.
         retry: the :class:`RetryPolicy` (default ``RetryPolicy()``).
         ordered: process each ``message.key`` serially in delivery order.
         max_in_flight: most messages held at once (fetched and not yet settled).
-        ack_timeout: seconds a delivery may stay unsettled before it is failed.
+        ack_timeout: seconds a delivery may stay unsettled before it is failed
+            (0: no deadline).
         decoder: turns ``message.raw_body`` into ``message.body`` before the handler;
             a decoder error is a :class:`~msgpatterns.errors.MalformedMessage` and goes
-            straight to the dead-letter store.
+            straight to the dead-letter store. Sync only, like the handler.
         dead_letters: a store for dead letters instead of the broker's own.
-        poll_timeout: longest a fetch waits for new messages (bounds ``stop`` latency).
+        poll_timeout: longest a fetch waits for new messages (bounds ``stop`` latency);
+            positive.
         shutdown_timeout: how long ``run()`` lets in-flight work finish on SIGTERM.
+        fetch_batch: most messages one fetch asks the broker for (and the largest
+            batch a batch handler receives).
+        batch: the handler is a batch handler: it receives a list of up to
+            ``fetch_batch`` messages (what one fetch brought, or retries) and every
+            message is still settled on its own. Returning acks every message it did
+            not settle itself; raising fails every one with that error; raising
+            :class:`~msgpatterns.errors.PartialFailure` (message -> exception) fails
+            only those; ``message.ack(error)`` / ``message.disable_auto_ack()`` work
+            per message as for a per-message handler. Each failed message goes through
+            the retry policy alone (local retries, redelivery, dead letter with its own
+            attempt count). Not with ``ordered=True`` (ConfigurationError).
+
+    An ``@idempotent`` handler (per-message or batch) on a lease checker (MemoryChecker,
+    RedisChecker, SqlChecker) has its keys claimed per batch of messages in one store
+    round trip and completed in one, DONE written before the acks; duplicates and keys
+    in progress are settled without running it. On TransactionalSqlChecker each message
+    keeps its own transaction (claim, writes and commit together), one at a time.
+    Every argument is checked here: a wrong kind or value raises
+    :class:`~msgpatterns.errors.ConfigurationError` naming it (``TypeError`` for an
+    ``async def`` handler or decoder). Durations take seconds or a ``timedelta`` and
+    refuse negative, NaN, infinite and absurdly large values in every form.
+
+    A handler that raises a ``BaseException`` that is not an ``Exception``
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, a custom subclass) fails
+    that message like any exception - it goes through the retry policy and ends in a
+    dead letter after ``max_attempts`` - and the worker and the consumer keep running.
+    To stop the consumer from a handler, call :meth:`stop` there.
     """
 
     def __init__(
         self,
         broker: Broker,
-        handler: Handler,
+        handler: Handler | BatchHandler,
         *,
         topics: Sequence[str],
         group: str,
@@ -108,41 +177,91 @@ class Consumer:
         ack_timeout: float | timedelta = 900.0,
         decoder: Callable[[Any], Any] | None = None,
         dead_letters: DeadLetterStore | None = None,
-        poll_timeout: float = 0.25,
-        shutdown_timeout: float = 30.0,
+        poll_timeout: float | timedelta = 0.25,
+        shutdown_timeout: float | timedelta | None = 30.0,
         fetch_batch: int = 64,
         name: str | None = None,
+        batch: bool = False,
     ) -> None:
-        if isinstance(topics, str):
-            topics = [topics]
-        if not topics:
-            raise ValueError("Consumer needs at least one topic")
-        if workers < 1 or max_in_flight < 1 or fetch_batch < 1:
-            raise ValueError("workers, max_in_flight and fetch_batch must be at least 1")
+        if not isinstance(broker, Broker):
+            raise ConfigurationError(
+                f"Consumer broker must implement the Broker protocol (fetch, ack, nack, "
+                f"dead_letter, publish, now, close), got {type(broker).__name__}"
+            )
+        require_sync_callable(handler, what="handler", where="Consumer")
+        if decoder is not None:
+            require_sync_callable(decoder, what="decoder", where="Consumer")
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigurationError(
+                f"Consumer retry must be a RetryPolicy or None, got {type(retry).__name__}"
+            )
+        if dead_letters is not None and not callable(getattr(dead_letters, "put", None)):
+            raise ConfigurationError(
+                "Consumer dead_letters must be a DeadLetterStore (with put(record)) or "
+                f"None, got {type(dead_letters).__name__}"
+            )
+        if not isinstance(batch, bool):
+            raise ConfigurationError(f"Consumer batch must be True or False, got {batch!r}")
+        if batch and ordered:
+            raise ConfigurationError(
+                "Consumer batch=True cannot be ordered: a batch mixes keys, and ordered "
+                "mode runs each key's messages one at a time; use a per-message handler "
+                "with ordered=True (an @idempotent one still claims per batch)"
+            )
+        if not isinstance(group, str) or not group:
+            raise ConfigurationError(f"Consumer group must be a non-empty string, got {group!r}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ConfigurationError(f"Consumer name must be a non-empty string, got {name!r}")
+        for option, value in (("workers", workers), ("max_in_flight", max_in_flight),
+                              ("fetch_batch", fetch_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(
+                    f"Consumer {option} must be an int of at least 1, got {value!r}"
+                )
         self.broker = broker
-        self.handler = handler
-        self.topics = list(topics)
+        self.handler: Callable[[Any], Any] = handler
+        self.batch = batch
+        #: The batch claims of an @idempotent handler (None: plain, or one transaction
+        #: per message).
+        self._guard: BatchGuard | None = guard_of(handler, batch=batch)
+        #: A RetryPolicy whose decide() is overridden sees every success too.
+        self._plain_decide = type(retry).decide is RetryPolicy.decide if retry else True
+        #: Recent seconds per run of a batch-claimed handler (sizes the batch claims).
+        self._pace = 0.0
+        #: A success is a plain ack: no key gate to release, no custom decide (set by
+        #: start()).
+        self._plain_acks = False
+        self._ack_many = broker.ack_many if isinstance(broker, SupportsAckMany) else None
+        self.topics = _topic_list(topics)
         self.group = group
         self.workers = workers
         self.retry = retry if retry is not None else RetryPolicy()
-        self.ordered = ordered
+        self.ordered = bool(ordered)
         self.max_in_flight = max_in_flight
-        self.ack_timeout = seconds(ack_timeout) or 0.0
+        self.ack_timeout = _duration(ack_timeout, "ack_timeout") or 0.0
         self.decoder = decoder
         self.dead_letters = dead_letters
-        self.poll_timeout = poll_timeout
-        self.shutdown_timeout = shutdown_timeout
+        poll = _duration(poll_timeout, "poll_timeout")
+        if not poll:
+            raise ConfigurationError(
+                f"Consumer poll_timeout must be positive, got {poll_timeout!r}"
+            )
+        self.poll_timeout: float = poll
+        self.shutdown_timeout = _duration(shutdown_timeout, "shutdown_timeout")
         self.fetch_batch = fetch_batch
         self.name = name or f"msgpatterns-{group}"
         self.handler_name = getattr(handler, "__qualname__", None) or repr(handler)
         self.stats = ConsumerStats()
 
-        self._cond = threading.Condition(threading.Lock())
-        self._ready: deque[Message] = deque()
-        self._in_flight: set[Message] = set()
+        self._lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
+        self._cond = threading.Condition(self._lock)
+        # messages to run (and, for batch claims, claimed messages to run: _Claimed)
+        self._ready: deque[Message | _Claimed] = deque()
+        # message -> when it was fetched (monotonic; a retry copy keeps its original's)
+        self._in_flight: dict[Message, float] = {}
+        self._last_fetch: tuple[float, bool] | None = None  # (time.time(), succeeded)
         self._retry_timers: dict[Message, TimerHandle] = {}
         self._held: dict[Message, float] = {}  # ordered delayed retries: due (broker clock)
-        self._deadlines: DeadlineTracker[Message] | None = None
         self._fetching = False
         self._waiting = 0
         self._state = _State.NEW
@@ -150,11 +269,16 @@ class Consumer:
         self._settled_count = 0
         self._threads: list[threading.Thread] = []
         self._stop_requested = threading.Event()
-        self._wheel = TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
-        if self.ack_timeout > 0:
-            self._deadlines = DeadlineTracker(self._wheel, self.ack_timeout, self._deadline)
+        self._stopping = threading.Lock()  # one stop() at a time finishes the stop
+        # The wheel (and the deadline tracker on it) is made per start() and stopped by
+        # stop(): a stopped consumer leaves no timer thread behind.
+        self._wheel = self._new_wheel()
+        self._deadlines: DeadlineTracker[Message] | None = None
         self._gate: _KeyGate | None = None
         self._lanes: OrderedExecutor | None = None
+
+    def _new_wheel(self) -> TimingWheel:
+        return TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -167,6 +291,11 @@ class Consumer:
                 raise RuntimeError("the consumer is stopping")
             self._state = _State.RUNNING
             self._stop_requested.clear()
+            self._wheel = self._new_wheel()
+            self._deadlines = (
+                DeadlineTracker(self._wheel, self.ack_timeout, self._deadline)
+                if self.ack_timeout > 0 else None
+            )
             if self.ordered:
                 # One thread fetches and admits; handlers run on the executor's lanes,
                 # each key always on the lane that owns its logic partition.
@@ -176,12 +305,15 @@ class Consumer:
                     threading.Thread(target=self._pump, name=f"{self.name}-pump", daemon=True)
                 ]
             else:
+                work = self._work if self._guard is None and not self.batch \
+                    else self._work_batches
                 self._threads = [
                     threading.Thread(
-                        target=self._work, name=f"{self.name}-worker-{i}", daemon=True
+                        target=work, name=f"{self.name}-worker-{i}", daemon=True
                     )
                     for i in range(self.workers)
                 ]
+        self._plain_acks = self._gate is None and self._plain_decide
         for thread in self._threads:
             thread.start()
 
@@ -189,9 +321,28 @@ class Consumer:
         """Stop fetching, let in-flight work finish for up to ``timeout`` seconds, then
         hand every message still unsettled back to the broker for redelivery.
 
+        Guarantees, when it returns: no handler of this consumer runs again (a handler
+        still running at the timeout is waited for; its outcome is ignored, its message
+        was handed back); every message the consumer fetched - including what a fetch in
+        progress at the call returns afterwards - is settled or handed back (nacked);
+        every thread the consumer started (workers, pump, lanes, timer) has ended. The
+        broker may be closed right after.
+
+        Called from a handler (or any thread of this consumer) it cannot wait for
+        itself: it requests the stop and returns False at once; ``run()`` and
+        ``run_until_idle()`` then finish the stop, or call ``stop()`` again from
+        outside to wait for it.
+
         Returns True when all in-flight work finished within the timeout.
         """
         limit = seconds(timeout)
+        if getattr(_own_thread, "consumer", None) is self:
+            self._request_stop()
+            return False
+        with self._stopping:  # a concurrent stop() returns only once this one is done
+            return self._stop(limit)
+
+    def _stop(self, limit: float | None) -> bool:
         with self._cond:
             if self._state in (_State.NEW, _State.STOPPED):
                 self._state = _State.STOPPED
@@ -199,7 +350,12 @@ class Consumer:
             self._state = _State.STOPPING
             self._wake()
             give_up = None if limit is None else time.monotonic() + limit
-            while self._in_flight:
+            while True:
+                if self._fetching:  # its messages are handed back; bounded by poll_timeout
+                    self._wait(self.poll_timeout)
+                    continue
+                if not self._in_flight:
+                    break
                 left = None if give_up is None else give_up - time.monotonic()
                 if left is not None and left <= 0:
                     break
@@ -214,13 +370,28 @@ class Consumer:
             message.expire(_Released("consumer stopped"))
         with self._cond:
             self._state = _State.STOPPED
+            self._ready.clear()
             self._wake()
             threads, self._threads = self._threads, []
+            lanes, self._lanes = self._lanes, None
+        current = threading.current_thread()
         for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=0.2)
+            if thread is not current:
+                thread.join()
+        if lanes is not None:
+            lanes.shutdown(wait=True)  # queued tasks of released messages run no handler
+        self._wheel.stop()
+        self._retry_timers.clear()
         self._stop_requested.set()
         return not leftovers
+
+    def _request_stop(self) -> None:
+        """Ask for a stop without waiting (from a thread of this consumer)."""
+        with self._cond:
+            if self._state is _State.RUNNING:
+                self._state = _State.STOPPING
+                self._wake()
+        self._stop_requested.set()
 
     def run(self) -> None:
         """Consume until SIGTERM, SIGINT or :meth:`stop`; then shut down gracefully."""
@@ -242,9 +413,10 @@ class Consumer:
         """Process until nothing is deliverable, in flight or waiting for a retry.
 
         On a broker with virtual time (the in-memory fake) the clock jumps to the next
-        due delivery instead of sleeping, and only while nothing is in flight. Raises
+        due delivery or held retry whenever nothing can run, instead of sleeping. Raises
         ``TimeoutError`` if not idle within ``timeout`` seconds of wall time (the
-        consumer is then stopped; unsettled messages go back to the broker).
+        consumer is then stopped; unsettled messages go back to the broker). A
+        :meth:`stop` from a handler ends it early (in-flight work finishes first).
         """
         limit = seconds(timeout)
         with self._cond:
@@ -256,7 +428,7 @@ class Consumer:
         if not idle:
             self.stop(0)
             raise TimeoutError(f"{self.name} not idle after {limit}s: {self.stats}")
-        self.stop(0)
+        self.stop(self.shutdown_timeout)
         return self.stats
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -284,27 +456,46 @@ class Consumer:
             self._cond.notify_all()
 
     def _work(self) -> None:
+        _own_thread.consumer = self
         while True:
-            message = self._next()
+            message: Message | None = self._next()  # type: ignore[assignment]  # no _Claimed
             if message is None:
                 return
-            self._execute(message)
+            try:
+                self._execute(message)
+            except BaseException:  # the worker survives whatever happens
+                log.exception("%s: running message %s failed", self.name, message.id,
+                              extra=self._log_extra(message))
 
     def _pump(self) -> None:
         """Ordered mode: admit each message past its key's gate onto the key's lane."""
+        _own_thread.consumer = self
         gate, lanes = self._gate, self._lanes
         assert gate is not None and lanes is not None
         try:
             while True:
-                message = self._next()
+                message: Message | None = self._next()  # type: ignore[assignment]
                 if message is None:
                     return
-                if gate.admit(message):
-                    lanes.submit(_KeyGate.key(message), self._execute, message)
+                if self._guard is not None:  # claim what is admitted now, as one batch
+                    admitted = [m for m in self._take_ready(message, self.fetch_batch)
+                                if gate.admit(m)]
+                    if admitted:
+                        self._execute_round_safely(admitted, lanes)
+                elif gate.admit(message):
+                    lanes.submit(_KeyGate.key(message), self._execute_on_lane, message)
         finally:
             lanes.shutdown(wait=False)
 
-    def _next(self) -> Message | None:
+    def _execute_on_lane(self, message: Message) -> None:
+        _own_thread.consumer = self
+        try:
+            self._execute(message)
+        except BaseException:  # the lane survives whatever happens
+            log.exception("%s: running message %s failed", self.name, message.id,
+                          extra=self._log_extra(message))
+
+    def _next(self) -> Message | _Claimed | None:
         """The next message to run, fetching when needed; None when the worker exits."""
         try:
             return self._ready.popleft()  # the common case needs no lock (deque is atomic)
@@ -327,7 +518,9 @@ class Consumer:
                         self._wait(self.poll_timeout)
                         continue
                     if free <= 0:
-                        if not (self._until_idle and self._nothing_active() and self._jump()):
+                        # Full: only a held retry coming due can free a slot.
+                        if not (self._until_idle and self._nothing_active()
+                                and self._jump(can_fetch=False)):
                             self._wait(self.poll_timeout)
                         continue
                     self._fetching = True
@@ -336,27 +529,58 @@ class Consumer:
                     break
             messages = self._fetch(min(free, self.fetch_batch), 0.0 if until_idle else None)
             with self._cond:
-                self._fetching = False
-                if messages:
-                    for message in messages:
-                        message.bind(self._on_settled)
-                    self.stats.fetched += len(messages)
-                    self._in_flight.update(messages)
-                    self._ready.extend(messages[1:])
+                if messages and self._state is not _State.RUNNING:
+                    stopping = True  # stop() waits for _fetching: hand them back first
+                else:
+                    stopping = False
+                    self._fetching = False
+                    if messages:
+                        for message in messages:
+                            message.bind(self._on_settled)
+                        self.stats.fetched += len(messages)
+                        self._in_flight.update(dict.fromkeys(messages, time.monotonic()))
+                        if _obs.listener is not None:
+                            self._report({"fetched": len(messages)})
+                        self._ready.extend(messages[1:])
+                        self._wake()
+                        return messages[0]
                     self._wake()
-                    return messages[0]
-                self._wake()
+            if stopping:
+                self._hand_back(messages)
+                continue
+            with self._cond:
                 if not until_idle or self._state is not _State.RUNNING or self._ready:
                     continue
                 if not self._nothing_active():
                     if self._settled_count == generation:
                         self._wait(self.poll_timeout)
-                elif not self._jump():
+                elif not self._jump(can_fetch=True):
                     if self._in_flight:  # holds due later in real time
                         self._wait(self.poll_timeout)
                     else:
                         self._finish_idle()
                         return None
+
+    def _hand_back(self, messages: list[Message]) -> None:
+        """A fetch returned after stop() was called: nack its messages unprocessed,
+        then let stop() go on."""
+        errors = 0
+        for message in messages:
+            try:
+                self.broker.nack(message, 0.0)
+            except Exception:
+                errors += 1
+                log.exception("%s: handing message %s back failed", self.name, message.id,
+                              extra=self._log_extra(message))
+        with self._cond:
+            self.stats.fetched += len(messages)
+            self.stats.released += len(messages) - errors
+            self.stats.broker_errors += errors
+            self._fetching = False
+            self._wake()
+        if _obs.listener is not None:
+            self._report({"fetched": len(messages), "released": len(messages) - errors,
+                          "broker_errors": errors})
 
     def _nothing_active(self) -> bool:
         """Lock held: every in-flight message is parked behind its key or held for a
@@ -364,19 +588,24 @@ class Consumer:
         parked = self._gate.parked if self._gate is not None else 0
         return len(self._in_flight) == parked + len(self._held)
 
-    def _jump(self) -> bool:
-        """Lock held, nothing active: move virtual time to the next due delivery or held
-        retry and release the holds now due. False when nothing could move."""
-        virtual = self.broker if isinstance(self.broker, SupportsVirtualTime) else None
-        due = virtual.next_due(self.topics, self.group) if virtual is not None else None
-        if self._held:
-            first_hold = min(self._held.values())
-            due = first_hold if due is None else min(due, first_hold)
-        if due is None:
+    def _jump(self, *, can_fetch: bool) -> bool:
+        """Lock held, nothing active: move virtual time to the next moment something can
+        run - a held retry coming due, or (when a slot is free to fetch it) the broker's
+        next due delivery - and release the holds now due. True when that made progress
+        possible; False when nothing could move (the caller then waits or finishes)."""
+        try:
+            fetchable = jump_to_next_due(self.broker, self.topics, self.group, self._held,
+                                         can_fetch=can_fetch)
+        except Exception:  # a closed broker, a refused jump: wait instead of dying
+            self.stats.broker_errors += 1
+            if _obs.listener is not None:
+                self._report({"broker_errors": 1})
+            log.exception("%s: moving virtual time failed", self.name)
             return False
-        if virtual is not None:
-            virtual.advance_to(due)
-        return self._release_due_holds() or virtual is not None
+        if fetchable is None:
+            return False
+        released = self._release_due_holds()
+        return released or fetchable
 
     def _release_due_holds(self) -> bool:
         now = self.broker.now()
@@ -391,13 +620,28 @@ class Consumer:
 
     def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
-            return self.broker.fetch(
+            messages = self.broker.fetch(
                 self.topics, self.group, max_messages=count,
                 timeout=self.poll_timeout if timeout is None else timeout,
             )
+            self._last_fetch = (time.time(), True)
+            return messages
+        except BrokerClosed:
+            self._last_fetch = (time.time(), False)
+            # The broker was closed under a running consumer: nothing more can be
+            # fetched or settled, so stop (what is in flight is handed back).
+            if self._state is _State.RUNNING:
+                log.error("%s: the broker was closed while consuming; stopping", self.name)
+                self._stop_requested.set()
+            with self._cond:
+                self._wait(self.poll_timeout)
+            return []
         except Exception:
+            self._last_fetch = (time.time(), False)
             with self._cond:
                 self.stats.broker_errors += 1
+            if _obs.listener is not None:
+                self._report({"broker_errors": 1})
             log.exception("%s: fetch failed; retrying", self.name)
             time.sleep(min(self.poll_timeout, 1.0))
             return []
@@ -410,19 +654,411 @@ class Consumer:
     # -- one delivery ---------------------------------------------------------------
 
     def _execute(self, message: Message) -> None:
-        if self._deadlines is not None:
-            self._deadlines.track(message)
+        if message.acked:
+            return  # handed back by stop() before it could run
+        deadlines = self._deadlines
+        if deadlines is not None:
+            deadlines.track(message)
+        listener = _obs.listener
+        scope = None if listener is None else self._start_scope(listener, message)
         error: BaseException | None = None
         try:
             if self.decoder is not None:
                 try:
                     message.body = self.decoder(message.raw_body)
                 except Exception as exc:
-                    raise MalformedMessage(f"cannot decode body: {exc!r}") from exc
+                    raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
             self.handler(message)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit & co fail the message, not the worker
             error = exc
-        message.handler_finished(error)
+        if scope is None:
+            message.handler_finished(error)
+            return
+        _obs.report(scope.handler_returned, error)
+        try:  # the settlement runs inside the delivery's trace context
+            message.handler_finished(error)
+        finally:
+            _obs.report(scope.close)
+
+    # -- batches: batch claims of an @idempotent handler, batch handlers ----------------
+
+    def _work_batches(self) -> None:
+        """Worker loop when messages run in batches: a batch handler, or an
+        @idempotent handler whose keys are claimed per batch (claimed messages are
+        shared out to every worker; the batch's last finisher completes it)."""
+        _own_thread.consumer = self
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            try:
+                if isinstance(item, _Claimed):
+                    self._run_claimed(item.guard, item.batch, item.entry)
+                elif self.batch:
+                    self._execute_batch(self._take_ready(item, self.fetch_batch))
+                else:
+                    self._execute_round(self._take_ready(item, self._claim_limit()))
+            except BaseException:  # the worker survives whatever happens
+                log.exception("%s: running a batch failed", self.name)
+
+    def _claim_limit(self) -> int:
+        """How many messages one batch claim takes: what was fetched (``fetch_batch``),
+        at most what the workers run within half the lease at the handler's recent
+        pace - so no claim waits in line until its lease runs out."""
+        pace = self._pace
+        if pace <= 0.0 or self._guard is None:
+            return self.fetch_batch
+        room = self._guard.checker.lease * 0.5 * self.workers / pace
+        return max(1, min(self.fetch_batch, int(room)))
+
+    def _take_ready(self, first: Message, limit: int) -> list[Message]:
+        """``first`` and more ready messages (not claimed ones), up to ``limit``."""
+        chunk = [first]
+        ready = self._ready
+        while len(chunk) < limit:
+            try:
+                item = ready.popleft()  # atomic: no lock needed
+            except IndexError:
+                break
+            if not isinstance(item, Message):
+                ready.appendleft(item)
+                break
+            chunk.append(item)
+        return chunk
+
+    def _intake(self, messages: list[Message]) -> list[Message]:
+        """Start the deadlines and decode; the messages left to run (not handed back,
+        decodable; a malformed one is settled here)."""
+        deadlines, decoder = self._deadlines, self.decoder
+        live: list[Message] = []
+        for message in messages:
+            if message.acked:
+                continue  # handed back by stop() before it could run
+            if deadlines is not None:
+                deadlines.track(message)
+            if decoder is not None:
+                try:
+                    message.body = decoder(message.raw_body)
+                except Exception as exc:
+                    error = MalformedMessage(f"cannot decode body: {describe(exc)}")
+                    error.__cause__ = exc
+                    self._settle_unrun(message, error)
+                    continue
+            live.append(message)
+        return live
+
+    def _settle_unrun(self, message: Message, error: BaseException | None) -> None:
+        """Settle a message whose handler does not run (a duplicate: success; a key in
+        progress, a missing key, a malformed body: ``error``), observed like a run."""
+        listener = _obs.listener
+        scope = None if listener is None else self._start_scope(listener, message)
+        if scope is None:
+            message.handler_finished(error)
+            return
+        _obs.report(scope.handler_returned, error)
+        try:
+            message.handler_finished(error)
+        finally:
+            _obs.report(scope.close)
+
+    def _prepare(self, guard: BatchGuard,
+                 messages: list[Message]) -> tuple[list[Entry], list[Message]]:
+        """One batch claim for ``messages``; settles those whose handler does not run
+        and returns the entries to run, and the messages to prepare again once this
+        batch is finished (their key is held by an earlier message of the batch). A
+        claimed message completes or releases its claim before it is settled, whoever
+        settles it (:meth:`_settle_claimed`)."""
+        runs: list[Entry] = []
+        later: list[Message] = []
+        for entry in guard.prepare(messages):
+            if entry.later:
+                later.append(entry.message)
+                continue
+            if not entry.run:
+                self._settle_unrun(entry.message, entry.error)
+                continue
+            if entry.claim is not None:
+                entry.message.bind(partial(self._settle_claimed, guard, entry))
+            runs.append(entry)
+        return runs, later
+
+    def _settle_claimed(self, guard: BatchGuard, entry: Entry, message: Message,
+                        error: BaseException | None) -> None:
+        """Settle callback of a claimed message: when it is settled outside its batch's
+        finish (an explicit ack, its deadline, stop()), its claim is completed (success)
+        or released (failure) first; then the usual settlement."""
+        if entry.open:
+            try:
+                if error is None:
+                    guard.finish((entry,), ())
+                else:
+                    guard.finish((), (entry,))
+            except Exception:
+                log.exception("%s: finishing the idempotency claim of %s failed", self.name,
+                              message.id, extra=self._log_extra(message))
+        self._on_settled(message, error)
+
+    def _execute_round_safely(self, messages: list[Message],
+                              lanes: OrderedExecutor | None = None) -> None:
+        try:
+            self._execute_round(messages, lanes)
+        except BaseException:  # the worker (or pump) survives whatever happens
+            log.exception("%s: running a batch of %d messages failed", self.name,
+                          len(messages))
+
+    def _execute_round(self, messages: list[Message],
+                       lanes: OrderedExecutor | None = None) -> None:
+        """An @idempotent per-message handler on a batch: one claim for all, each
+        handler run (here, or on its key's lane), one completion, then the acks."""
+        self._claim_round(self._intake(messages), lanes)
+
+    def _claim_round(self, live: list[Message], lanes: OrderedExecutor | None) -> None:
+        guard = self._guard
+        assert guard is not None
+        runs, later = self._prepare(guard, live) if live else ([], [])
+        if not runs:
+            return
+        batch = _Round(len(runs), later, lanes)
+        if lanes is None:  # this worker runs the first; any worker takes the others
+            if len(runs) > 1:
+                self._ready.extendleft(_Claimed(guard, batch, entry)
+                                       for entry in reversed(runs[1:]))
+                if self.workers > 1:
+                    with self._cond:
+                        self._wake()
+            self._run_claimed(guard, batch, runs[0])
+        else:
+            for entry in runs:
+                lanes.submit(_KeyGate.key(entry.message), self._run_claimed_on_lane, guard,
+                             batch, entry)
+
+    def _run_claimed_on_lane(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
+        _own_thread.consumer = self
+        try:
+            self._run_claimed(guard, batch, entry)
+        except BaseException:  # the lane survives whatever happens
+            log.exception("%s: running message %s failed", self.name, entry.message.id,
+                          extra=self._log_extra(entry.message))
+
+    def _run_claimed(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
+        """Run one claimed message's handler; the batch's last finisher completes it."""
+        message = entry.message
+        if message.acked:  # handed back or expired before it ran: free its key
+            guard.finish((), (entry,))
+            last = batch.add(None, None)
+        else:
+            listener = _obs.listener
+            scope = None if listener is None else self._start_scope(listener, message)
+            error: BaseException | None = None
+            started = time.perf_counter()
+            try:
+                entry.result = guard.handler(message)
+            except BaseException as exc:  # SystemExit & co fail the message, not the worker
+                error = exc
+            self._pace = 0.8 * self._pace + 0.2 * (time.perf_counter() - started)
+            if scope is not None:
+                _obs.report(scope.handler_returned, error)
+                _obs.report(scope.close)
+            if error is None and (message.acked or not message.auto_ack):
+                # Settled by the handler, or awaiting its explicit ack: its claim is
+                # finished when it is settled (_settle_claimed).
+                message.handler_finished(None)
+                last = batch.add(None, None)
+            else:
+                last = batch.add(entry, error)
+        if last:
+            self._finish_round(guard, batch)
+
+    def _finish_round(self, guard: BatchGuard, batch: _Round) -> None:
+        """Complete what returned (one round trip), release what raised (one), then
+        settle: the acks go out after DONE is written."""
+        try:
+            guard.finish(batch.returned, [entry for entry, _ in batch.raised])
+        except Exception:  # a closed checker...: the effects happened; settle anyway
+            log.exception("%s: completing a batch of idempotency claims failed", self.name)
+        for entry, error in batch.raised:
+            entry.message.handler_finished(error)
+        self._ack_all([entry.message for entry in batch.returned])
+        if batch.later:  # repeats of keys this batch held: duplicates now (or runs)
+            self._claim_round([m for m in batch.later if not m.acked], batch.lanes)
+
+    def _execute_batch(self, messages: list[Message]) -> None:
+        """A batch handler on ``messages``: per message, the handler's outcome (its
+        PartialFailure entry, its own ack, or the batch's) is settled on its own."""
+        self._run_batch(self._intake(messages))
+
+    def _run_batch(self, live: list[Message]) -> None:
+        guard = self._guard
+        entries: dict[Message, Entry] = {}
+        later: list[Message] = []
+        if guard is not None and live:
+            runs, later = self._prepare(guard, live)
+            entries = {entry.message: entry for entry in runs}
+            live = [m for m in entries if not m.acked]
+        if not live:
+            return
+        listener = _obs.listener
+        scopes = None if listener is None else [self._start_scope(listener, m) for m in live]
+        handler = self.handler if guard is None else guard.handler
+        error: BaseException | None = None
+        try:
+            handler(list(live))
+        except BaseException as exc:  # SystemExit & co fail the batch, not the worker
+            error = exc
+        failures: Mapping[Message, BaseException] = {}
+        if isinstance(error, PartialFailure):
+            failures, error = error.failures, None
+            self._check_failures(failures, live)
+        returned: list[Message] = []
+        raised: list[tuple[Message, BaseException]] = []
+        for index, message in enumerate(live):
+            failed = failures.get(message, error)
+            scope = None if scopes is None else scopes[index]
+            if scope is not None:
+                _obs.report(scope.handler_returned, failed)
+            if failed is not None:
+                raised.append((message, failed))
+            elif message.auto_ack and not message.acked:
+                returned.append(message)
+            else:  # settled by the handler, or awaiting its explicit ack
+                message.handler_finished(None)
+        try:
+            if guard is not None and entries:
+                guard.finish([entries[m] for m in returned if m in entries],
+                             [entries[m] for m, _ in raised if m in entries])
+            for message, failed in raised:
+                message.handler_finished(failed)
+            self._ack_all(returned)
+        finally:
+            if scopes is not None:
+                for scope in reversed(scopes):
+                    if scope is not None:
+                        _obs.report(scope.close)
+        if later:  # repeats of keys this batch held: duplicates now (or run)
+            self._run_batch([m for m in later if not m.acked])
+
+    def _check_failures(self, failures: Mapping[Message, BaseException],
+                        batch: list[Message]) -> None:
+        members = set(batch)
+        strangers = [m for m in failures if m not in members]
+        if strangers:
+            log.warning("%s: PartialFailure names %d message(s) that are not in the batch "
+                        "(ignored), e.g. %r", self.name, len(strangers), strangers[0])
+
+    def _ack_all(self, messages: list[Message]) -> None:
+        """Settle successful deliveries (auto ack) together: one broker call (where the
+        broker acks many at once), one lock and one stats update for all of them. Where
+        a settlement must be seen per message (a telemetry listener, ordered mode's key
+        gate, a RetryPolicy that overrides decide) each goes through the usual
+        per-message settlement instead."""
+        if not messages:
+            return
+        if not self._plain_acks or _obs.listener is not None:
+            for message in messages:
+                message.handler_finished(None)
+            return
+        won = [message for message in messages if message.settle_quietly()]
+        deadlines = self._deadlines
+        if deadlines is not None:
+            for message in won:
+                deadlines.untrack(message)
+        self._ack_all_settled(won)
+
+    def _ack_all_settled(self, messages: list[Message]) -> None:
+        """Ack settled successes at the broker and free their slots; a delivery whose
+        ack fails is settled another way (:meth:`_settle_otherwise`)."""
+        acked = messages
+        ack_many = self._ack_many
+        if ack_many is not None and len(messages) > 1:
+            try:
+                ack_many(messages)
+            except Exception:  # one by one: each failure is settled on its own
+                acked = self._ack_each(messages)
+        else:
+            acked = self._ack_each(messages)
+        if acked:
+            with self._lock:
+                self.stats.acked += len(acked)
+                pop = self._in_flight.pop
+                for message in acked:
+                    pop(message, None)
+                self._settled_count += len(acked)
+                self._wake()
+
+    def _ack_each(self, messages: list[Message]) -> list[Message]:
+        """Ack each delivery; returns those acked (the others are settled otherwise)."""
+        acked = []
+        ack = self.broker.ack
+        for message in messages:
+            try:
+                ack(message)
+            except Exception as failure:
+                self._ack_failed(message, failure)
+            else:
+                acked.append(message)
+        return acked
+
+    def _ack_failed(self, message: Message, failure: Exception) -> None:
+        """The ack of a success raised: settle it another way, count, free the slot."""
+        counted = ["broker_errors"]
+        outcome = self._settle_otherwise(message, None, Action.ACK, failure)
+        if outcome is not None:
+            counted.append(outcome)
+        self._release(message, None, 0.0, False, counted)
+
+    # -- telemetry, health and log context (no cost while no listener is installed) --
+
+    def _start_scope(self, listener: _obs.Listener,
+                     message: Message) -> _obs.DeliveryScope | None:
+        try:
+            return listener.delivery_started(self, message)
+        except Exception:
+            log.exception("%s: telemetry listener failed", self.name,
+                          extra=self._log_extra(message))
+            return None
+
+    def _report(self, counts: Mapping[str, int], message: Message | None = None) -> None:
+        """Report ``counts`` (ConsumerStats fields just added to) to the listener."""
+        listener = _obs.listener
+        if listener is not None:
+            _obs.report(listener.consumer_counted, self, counts, message)
+
+    def _log_extra(self, message: Message) -> dict[str, Any]:
+        """The ``extra`` fields of every log line about ``message``."""
+        return {"message_id": message.id, "topic": message.topic, "group": self.group,
+                "attempt": message.attempt}
+
+    def health(self) -> Health:
+        """A snapshot of this consumer's health (cheap: no broker call unless the
+        broker has a ``connected`` property)."""
+        from msgpatterns.observability.stats import Health
+
+        now = time.monotonic()
+        with self._cond:
+            state = self._state
+            in_flight = len(self._in_flight)
+            oldest = min(self._in_flight.values(), default=None)
+            last = self._last_fetch
+        threads_alive = all(t.is_alive() for t in self._threads)
+        connected = getattr(type(self.broker), "connected", None)
+        broker_connected: bool | None
+        if isinstance(connected, property):
+            try:
+                broker_connected = bool(self.broker.connected)  # type: ignore[attr-defined]
+            except Exception:
+                broker_connected = False
+        else:
+            broker_connected = None if last is None else last[1]
+        return Health(
+            name=self.name,
+            running=state is _State.RUNNING and threads_alive,
+            state=state.value,
+            last_fetch_at=None if last is None else last[0],
+            last_fetch_ok=None if last is None else last[1],
+            in_flight=in_flight,
+            oldest_unsettled_age=None if oldest is None else max(0.0, now - oldest),
+            broker_connected=broker_connected,
+        )
 
     def _deadline(self, message: Message) -> None:
         error = AckTimeout(
@@ -431,36 +1067,60 @@ class Consumer:
         )
         if message.expire(error):
             self.stats.ack_timeouts += 1
-            log.warning("%s; failing the delivery", error)
+            if _obs.listener is not None:
+                self._report({"ack_timeouts": 1}, message)
+            log.warning("%s; failing the delivery", error, extra=self._log_extra(message))
 
     def _on_settled(self, message: Message, error: BaseException | None) -> None:
-        """Act on a settled delivery; runs once, on whichever thread settled it."""
-        if self._deadlines is not None:
-            self._deadlines.untrack(message)
+        """Act on a settled delivery; runs once, on whichever thread settled it.
+
+        Whatever fails here (the retry policy, the broker call, the dead-letter record)
+        the delivery is settled another way (:meth:`_settle_otherwise`), and the slot is
+        always freed."""
+        deadlines = self._deadlines
+        if deadlines is not None:
+            deadlines.untrack(message)
+        if error is None and self._plain_acks and _obs.listener is None:
+            # The hot path: a success is an ack and a freed slot.
+            try:
+                self.broker.ack(message)
+            except Exception as failure:
+                self._ack_failed(message, failure)
+                return
+            with self._lock:
+                self.stats.acked += 1
+                self._in_flight.pop(message, None)
+                self._settled_count += 1
+                self._wake()
+            return
         retry: Message | None = None
         delay = 0.0
         hold = False
         counted: list[str] = []  # stats to add, under the lock, in _release
+        action: Action | None = None
         try:
             if isinstance(error, _Released):
                 counted.append("released")
                 self.broker.nack(message, 0.0)
                 return
-            verdict = self.retry.decide(message, error)
-            if verdict.action is Action.ACK:
+            try:
+                verdict = self.retry.decide(message, error)
+            except Exception:
+                verdict = self._fallback_verdict(message, error)
+            action = verdict.action
+            if action is Action.ACK:
                 self.broker.ack(message)
                 counted.append("acked")
                 return
             assert error is not None
             counted.append("failed")
-            self._log_failure(message, error, verdict.action, verdict.delay)
+            self._log_failure(message, error, action, verdict.delay)
             delay = verdict.delay
-            if verdict.action is Action.RETRY_LOCALLY:
+            if action is Action.RETRY_LOCALLY:
                 retry = message.copy_for_retry(local=True)
                 counted.append("retried_locally")
-            elif verdict.action is Action.REDELIVER:
+            elif action is Action.REDELIVER:
                 self._record_failure(message, error)
-                counted.append("redelivered")
                 if self._gate is not None:
                     # Ordered: the retry stays here and keeps its key; going back to the
                     # broker would let later messages of the key overtake it.
@@ -469,33 +1129,97 @@ class Consumer:
                     hold = True
                 else:
                     self.broker.nack(message, delay)
+                counted.append("redelivered")
             else:
                 self._dead_letter(message, error, verdict.reason)
                 counted.append("dead_lettered")
-        except Exception:
+        except Exception as failure:
             counted.append("broker_errors")
-            log.exception(
-                "%s: settling message %s failed; the broker will redeliver it",
-                self.name, message.id,
-            )
+            retry = None
+            hold = False
+            if not isinstance(error, _Released):
+                outcome = self._settle_otherwise(message, error, action, failure)
+                if outcome is not None:
+                    counted.append(outcome)
         finally:
+            listener = _obs.listener
+            if listener is not None:  # before _release: stop() waits for the slot
+                _obs.report(listener.delivery_settled, self, message, counted, error)
             self._release(message, retry, delay, hold, counted)
+
+    def _fallback_verdict(self, message: Message, error: BaseException | None) -> Verdict:
+        """The retry policy itself failed: a safe verdict instead - an ack for a success,
+        a dead letter once ``max_attempts`` is reached, else a redelivery after a short
+        delay."""
+        log.exception("%s: the retry policy failed on message %s", self.name, message.id,
+                      extra=self._log_extra(message))
+        if error is None:
+            return Verdict(Action.ACK)
+        name = type(error).__name__
+        if message.attempt >= self.retry.max_attempts:
+            return Verdict(Action.DEAD_LETTER, reason=f"gave up after "
+                           f"{message.attempt} attempts: {name} (retry policy failed)")
+        return Verdict(Action.REDELIVER, _FALLBACK_DELAY)
+
+    def _settle_otherwise(self, message: Message, error: BaseException | None,
+                          action: Action | None, failure: Exception) -> str | None:
+        """The settlement of ``message`` raised ``failure``: settle it another way so
+        the delivery never hangs - a dead letter with a minimal, always-encodable record
+        when a dead letter was due, else a nack for redelivery (the durable attempt
+        count then moves on towards ``max_attempts``). Returns the stat to count, or
+        None when the broker refused every way (it redelivers at its own timeout)."""
+        log.error("%s: settling message %s failed (%s); settling it another way",
+                  self.name, message.id, describe(failure), extra=self._log_extra(message))
+        if action is Action.DEAD_LETTER or (
+                action is None and message.attempt >= self.retry.max_attempts):
+            try:
+                self._put_dead_letter(message, self._fallback_record(message, error, failure))
+                return "dead_lettered"
+            except Exception:
+                log.exception("%s: fallback dead letter of %s failed", self.name, message.id,
+                              extra=self._log_extra(message))
+        try:
+            self.broker.nack(message, 0.0)
+            return "redelivered"
+        except Exception:
+            log.exception(
+                "%s: message %s could not be settled; the broker redelivers it after its "
+                "own timeout", self.name, message.id, extra=self._log_extra(message),
+            )
+            return None
+
+    def _fallback_record(self, message: Message, error: BaseException | None,
+                         failure: Exception) -> DeadLetter:
+        now = self.broker.now()
+        kind = type(error) if error is not None else type(failure)
+        return DeadLetter(
+            message=message,
+            error_type=printable(f"{kind.__module__}.{kind.__qualname__}"),
+            error_message=describe(error),
+            traceback=format_traceback(error) if error is not None else "",
+            attempts=message.attempt,
+            first_failed_at=now,
+            last_failed_at=now,
+            reason=printable(f"dead-lettered after a failed settlement: {describe(failure)}"),
+            group=self.group,
+        )
 
     def _release(self, message: Message, retry: Message | None, delay: float,
                  hold: bool, counted: list[str]) -> None:
         """Lock-protected bookkeeping after a settlement: count it, free the slot, or
         put the retry copy in its place (now, after ``delay``, or held until due)."""
+        give_back = False
         with self._cond:
             stats = self.stats
             for name in counted:
                 setattr(stats, name, getattr(stats, name) + 1)
-            self._in_flight.discard(message)
+            since = self._in_flight.pop(message, None)
             if retry is not None and self._state is _State.STOPPED:
-                self.broker.nack(message, 0.0)  # stopped meanwhile: give it back
+                give_back = True  # stopped meanwhile: give it back
                 retry = None
             if retry is not None:
                 retry.bind(self._on_settled)
-                self._in_flight.add(retry)
+                self._in_flight[retry] = time.monotonic() if since is None else since
                 if self._gate is not None:
                     self._gate.transfer(message, retry)
                 if hold:
@@ -513,6 +1237,12 @@ class Consumer:
                     self._ready.appendleft(following)
             self._settled_count += 1
             self._wake()
+        if give_back:
+            try:
+                self.broker.nack(message, 0.0)
+            except Exception:
+                log.exception("%s: handing message %s back failed", self.name, message.id,
+                              extra=self._log_extra(message))
 
     def _requeue(self, message: Message) -> None:
         with self._cond:
@@ -523,12 +1253,9 @@ class Consumer:
             self._wake()
 
     def _record_failure(self, message: Message, error: BaseException) -> None:
-        """Keep the failure history in headers so it survives redelivery."""
-        now = repr(self.broker.now())
-        message.headers.setdefault(h.FIRST_FAILED_AT, now)
-        message.headers[h.LAST_FAILED_AT] = now
-        message.headers[h.ERROR_TYPE] = type(error).__name__
-        message.headers[h.ERROR_MESSAGE] = str(error)[:500]
+        """Keep the failure history in headers so it survives redelivery (the error's
+        text is taken defensively: a ``__str__`` that raises cannot stop it)."""
+        message.headers = failure_headers(message.headers, error, self.broker.now())
 
     def _dead_letter(self, message: Message, error: BaseException, reason: str) -> None:
         record = DeadLetter.from_error(
@@ -537,7 +1264,11 @@ class Consumer:
         log.error(
             "%s: message %s (key %r, topic %r) dead-lettered after %d attempt(s): %s",
             self.name, message.id, message.key, message.topic, message.attempt, reason,
+            extra=self._log_extra(message),
         )
+        self._put_dead_letter(message, record)
+
+    def _put_dead_letter(self, message: Message, record: DeadLetter) -> None:
         if self.dead_letters is not None:
             self.dead_letters.put(record)
             self.broker.ack(message)
@@ -547,13 +1278,80 @@ class Consumer:
     def _log_failure(self, message: Message, error: BaseException, action: Action,
                      delay: float) -> None:
         if isinstance(error, NeedRetry):
-            log.debug("%s: message %s asked for a retry (%s)", self.name, message.id, error)
+            log.debug("%s: message %s asked for a retry (%s)", self.name, message.id, error,
+                      extra=self._log_extra(message))
         elif action is not Action.DEAD_LETTER:
             log.warning(
-                "%s: handler %s failed on message %s (attempt %d): %r; %s in %.3gs",
-                self.name, self.handler_name, message.id, message.attempt, error,
-                action.value, delay,
+                "%s: handler %s failed on message %s (attempt %d): %s: %s; %s in %.3gs",
+                self.name, self.handler_name, message.id, message.attempt,
+                type(error).__name__, describe(error), action.value, delay,
+                extra=self._log_extra(message),
             )
+
+
+def _duration(value: float | timedelta | None, option: str) -> float | None:
+    """``seconds(value)``, with the option's name in the error."""
+    try:
+        return seconds(value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"Consumer {option}: {exc}") from None
+
+
+def _topic_list(topics: object) -> list[str]:
+    """``topics`` as a non-empty list of non-empty strings (one string is one topic)."""
+    if isinstance(topics, str):
+        topics = [topics]
+    if isinstance(topics, (bytes, bytearray, Mapping)) or not isinstance(topics, Iterable):
+        raise ConfigurationError(
+            f"Consumer topics must be a topic name or a list of them, got {topics!r}"
+        )
+    names = list(topics)
+    if not names:
+        raise ConfigurationError("Consumer needs at least one topic")
+    for topic in names:
+        if not isinstance(topic, str) or not topic:
+            raise ConfigurationError(
+                f"Consumer topics must be non-empty strings, got {topic!r} in {names!r}"
+            )
+    return names
+
+
+@dataclass(eq=False, slots=True)
+class _Claimed:
+    """A claimed message waiting for a worker, with the batch it belongs to."""
+
+    guard: BatchGuard
+    batch: _Round
+    entry: Entry
+
+
+class _Round:
+    """The claimed messages of one batch claim, run one by one (on a worker, or on
+    their keys' lanes): whoever runs the last one finishes the batch."""
+
+    __slots__ = ("_left", "_lock", "lanes", "later", "raised", "returned")
+
+    def __init__(self, size: int, later: list[Message],
+                 lanes: OrderedExecutor | None) -> None:
+        self._left = size
+        self._lock = threading.Lock()
+        #: Messages to prepare again after this batch (their key is held by it).
+        self.later = later
+        self.lanes = lanes
+        self.returned: list[Entry] = []
+        self.raised: list[tuple[Entry, BaseException]] = []
+
+    def add(self, entry: Entry | None, error: BaseException | None) -> bool:
+        """One message ran: ``entry`` returned (``error`` None) or raised; None when
+        its claim is finished elsewhere. True for the last one."""
+        with self._lock:
+            if entry is not None:
+                if error is None:
+                    self.returned.append(entry)
+                else:
+                    self.raised.append((entry, error))
+            self._left -= 1
+            return self._left == 0
 
 
 class _KeyGate:
@@ -572,8 +1370,11 @@ class _KeyGate:
 
     @staticmethod
     def key(message: Message) -> str:
-        """The ordering key: ``message.key``, or the message id when it has none."""
-        return message.key if message.key is not None else message.id
+        """The ordering key: ``message.key``, else the message id; messages with
+        neither share one key (they keep their relative order)."""
+        if message.key is not None:
+            return message.key
+        return message.id if message.id is not None else ""
 
     def admit(self, message: Message) -> bool:
         """True if ``message`` may run now; otherwise it joins its key's backlog."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from msgpatterns import headers as h
+from msgpatterns.errors import describe, printable
 from msgpatterns.message import Message
 
 __all__ = ["DeadLetter", "DeadLetterStore", "MemoryDeadLetterStore", "body_bytes"]
@@ -32,7 +33,12 @@ def body_bytes(body: Any) -> bytes:
 
 
 def format_traceback(error: BaseException) -> str:
-    return "".join(tb.format_exception(type(error), error, error.__traceback__))
+    """The traceback of ``error`` as text; never raises (a fallback line instead)."""
+    try:
+        text = "".join(tb.format_exception(type(error), error, error.__traceback__))
+    except Exception:
+        text = f"<traceback of {type(error).__qualname__} could not be formatted>\n"
+    return printable(text)
 
 
 @dataclass(frozen=True)
@@ -60,23 +66,29 @@ class DeadLetter:
         reason: str = "",
         group: str = "",
     ) -> DeadLetter:
-        """Build the record for ``message`` whose last attempt failed with ``error``."""
+        """Build the record for ``message`` whose last attempt failed with ``error``.
+
+        Never raises on account of the error: an exception whose ``str()`` fails gets a
+        fallback text, and lone surrogates are escaped, so a dead letter can always be
+        written.
+        """
         first = h.header_float(message.headers, h.FIRST_FAILED_AT)
+        text = describe(error)
         return cls(
             message=message,
             error_type=f"{type(error).__module__}.{type(error).__qualname__}",
-            error_message=str(error),
+            error_message=text,
             traceback=format_traceback(error),
             attempts=message.attempt,
             first_failed_at=now if first is None else first,
             last_failed_at=now,
-            reason=reason or str(error),
+            reason=printable(reason) if reason else text,
             group=group,
         )
 
     @property
-    def id(self) -> str:
-        """The dead message's id."""
+    def id(self) -> str | None:
+        """The dead message's id (None when the broker and publisher gave none)."""
         return self.message.id
 
     def to_headers(self) -> dict[str, str]:

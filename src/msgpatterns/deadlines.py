@@ -29,7 +29,8 @@ class DeadlineTracker(Generic[T]):
     Guarantees: an item is never expired before its timeout; it is expired at most one
     wheel tick (plus scheduling noise) after it; an untracked item is never expired;
     ``on_expire`` runs at most once per :meth:`track`. ``track``/``untrack`` are safe
-    from any thread and take no lock.
+    from any thread and take no lock. Once the wheel is stopped nothing more is
+    expired, and ``track`` does not raise.
     """
 
     def __init__(
@@ -66,8 +67,17 @@ class DeadlineTracker(Generic[T]):
     def _arm(self, delay: float) -> None:
         with self._lock:
             if not self._armed:
-                self._armed = True
-                self._wheel.schedule(delay, self._sweep)
+                self._schedule(delay)
+
+    def _schedule(self, delay: float) -> None:
+        """Lock held: arm the sweep; a stopped wheel leaves the tracker disarmed (its
+        owner is shutting down: nothing is expired after that)."""
+        try:
+            self._wheel.schedule(delay, self._sweep)
+        except RuntimeError:
+            self._armed = False
+        else:
+            self._armed = True
 
     def _sweep(self) -> None:
         now = self._clock()
@@ -82,7 +92,7 @@ class DeadlineTracker(Generic[T]):
             if next_due is None:
                 self._armed = False
             else:
-                self._wheel.schedule(next_due - now, self._sweep)
+                self._schedule(next_due - now)
         for item in expired:
             if self._due.pop(item, None) is not None:  # not untracked meanwhile
                 self._on_expire(item)

@@ -11,10 +11,19 @@ Anything else is an ordinary failure handled by the :class:`~msgpatterns.RetryPo
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from msgpatterns.message import Message
 
 __all__ = [
     "AckTimeout",
+    "BrokerClosed",
+    "BrokerError",
+    "BrokerUnavailable",
     "ConfigurationError",
     "IdempotencyConflict",
     "InProgress",
@@ -22,23 +31,67 @@ __all__ = [
     "MissingExtra",
     "MsgPatternsError",
     "NeedRetry",
+    "PartialFailure",
     "QueueClosed",
     "Reject",
     "StoreUnavailable",
+    "UnroutableError",
+    "describe",
+    "printable",
     "seconds",
 ]
 
 
+#: The longest duration msgpatterns accepts anywhere (100 years): larger values are
+#: mistakes, and would overflow broker timestamps and timer arithmetic.
+MAX_DURATION = 100 * 365 * 86400.0
+
+
 def seconds(value: float | timedelta | None) -> float | None:
-    """Return ``value`` in seconds; ``timedelta`` and numbers are both accepted."""
+    """Return ``value`` in seconds; ``timedelta`` and numbers are both accepted.
+
+    Guarantees: the result is ``None`` (for ``None``) or a finite float in
+    ``[0, MAX_DURATION]``; a negative, NaN, infinite or absurdly large duration, in any
+    form, raises :class:`ConfigurationError` (a ``ValueError``).
+    """
     if value is None:
         return None
     if isinstance(value, timedelta):
-        return value.total_seconds()
-    result = float(value)
-    if result < 0:
-        raise ValueError(f"a duration cannot be negative: {value!r}")
+        result = value.total_seconds()
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(
+            f"a duration must be seconds (int or float) or a timedelta, got {value!r}"
+        )
+    else:
+        result = float(value)
+    if math.isnan(result) or result < 0:
+        raise ConfigurationError(f"a duration cannot be negative or NaN: {value!r}")
+    if result > MAX_DURATION:
+        raise ConfigurationError(
+            f"a duration must be finite and at most {MAX_DURATION:g}s: {value!r}"
+        )
     return result
+
+
+def printable(text: str) -> str:
+    """``text`` with lone surrogates (from ``surrogateescape``-decoded bytes) escaped,
+    so every encoder (UTF-8 headers, JSON, logs) accepts it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def describe(error: BaseException | None) -> str:
+    """The text of ``error`` that never raises: ``str(error)``, or a fallback naming
+    the type when ``__str__`` itself fails; always encodable as UTF-8."""
+    if error is None:
+        return ""
+    try:
+        text = str(error)
+    except BaseException as failure:
+        try:
+            text = f"<{type(error).__qualname__}: str() raised {type(failure).__qualname__}>"
+        except BaseException:
+            text = "<error whose str() raised>"
+    return printable(text)
 
 
 class MsgPatternsError(Exception):
@@ -89,6 +142,22 @@ class IdempotencyConflict(Reject):
     """The same idempotency key arrived with a different payload fingerprint."""
 
 
+class PartialFailure(MsgPatternsError):
+    """Raised by a batch handler (``Consumer(..., batch=True)``): the messages in
+    ``failures`` failed, each with its exception (``NeedRetry``, ``Reject``, any error:
+    each goes through the retry policy on its own); every other message of the batch
+    succeeded. ``message.ack(error)`` inside the handler does the same for one message.
+    """
+
+    def __init__(self, failures: Mapping[Message, BaseException]) -> None:
+        self.failures: dict[Message, BaseException] = dict(failures)
+        for error in self.failures.values():
+            if not isinstance(error, BaseException):
+                raise TypeError(
+                    f"PartialFailure maps messages to exception instances, got {error!r}")
+        super().__init__(f"{len(self.failures)} message(s) of the batch failed")
+
+
 class AckTimeout(MsgPatternsError):
     """A message was not acknowledged before its ``ack_timeout`` deadline."""
 
@@ -103,6 +172,22 @@ class QueueClosed(MsgPatternsError):
 
 class ConfigurationError(MsgPatternsError, ValueError):
     """An argument or combination of arguments is invalid."""
+
+
+class BrokerError(MsgPatternsError):
+    """A broker operation failed; the client library's own exception is the cause."""
+
+
+class BrokerClosed(BrokerError):
+    """The broker adapter was closed: every operation after ``close()`` raises this."""
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker could not be reached (after the adapter's reconnect attempts)."""
+
+
+class UnroutableError(BrokerError):
+    """A publish could not be routed to any queue; nothing was sent."""
 
 
 class MissingExtra(ImportError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,7 +77,7 @@ class Message:
         self.body = body
         #: The payload exactly as the broker delivered it, before any decoding.
         self.raw_body: Any = body
-        self.id: str = id if id is not None else uuid.uuid4().hex
+        self.id: str | None = id
         self.key = key
         self.topic = topic
         self.headers: dict[str, str] = dict(headers) if headers else {}
@@ -118,7 +117,17 @@ class Message:
         Safe from any thread. The first settlement wins; a later call is ignored with a
         warning and returns False. An error goes through the retry policy exactly like
         an exception raised by the handler (``NeedRetry``, ``Reject``, ...).
+
+        Raises ``TypeError`` (and settles nothing) unless ``error`` is None or an
+        exception *instance*: ``ack("declined")`` or ``ack(ValueError)`` is a mistake.
         """
+        if error is not None and not isinstance(error, BaseException):
+            kind = f"the class {error.__name__}" if isinstance(error, type) \
+                else f"a {type(error).__name__}"
+            raise TypeError(
+                f"Message.ack(error) takes None or an exception instance, got {kind}; "
+                "e.g. ack(Reject('payment declined')) or ack(ValueError('...'))"
+            )
         return self._settle(error, source="ack")
 
     @property
@@ -149,6 +158,19 @@ class Message:
             self._settle(error, source="handler")
         elif self._auto_ack:
             self._settle(None, source="auto")
+
+    def settle_quietly(self) -> bool:
+        """Runtime side, for settling many successful deliveries at once: record that
+        the handler returned and settle this delivery as a success WITHOUT calling the
+        settle callback (the caller does that work for the whole batch). Only for
+        auto ack. False, and nothing changes, when it was settled already."""
+        with self._lock:
+            self._handler_returned = True
+            if self._settled:
+                return False
+            self._settled = True
+            self._ack_error = None
+            return True
 
     def expire(self, error: BaseException) -> bool:
         """Fail the delivery at its ack deadline; False if it was settled already."""
@@ -192,6 +214,8 @@ class Message:
                     self.id,
                     "ack" if source == "ack" else f"handler error {error!r}",
                     "failed: " + repr(first) if first is not None else "acked",
+                    extra={"message_id": self.id, "topic": self.topic,
+                           "attempt": self.attempt},
                 )
             return False
         if callback is not None:

@@ -5,20 +5,33 @@ wait strategy (``tenacity.Retrying(wait=Backoff.exponential())`` works) and it a
 ``delay(attempt)`` for message redelivery. :meth:`RetryPolicy.decide` is the single
 place that turns "this delivery ended with that error" into an action; the consumer
 runtime, the batching helpers and the broker adapters all go through it.
+
+A Backoff is the one retry vocabulary of the library: :class:`RetryPolicy` (redelivery),
+:class:`~msgpatterns.idempotency.StorePolicy` (``backoff=``: retries of an unreachable
+store), the broker adapters' reconnects and
+:func:`~msgpatterns.ordering.optimistic_update` (``backoff=``) all take one.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import tenacity
 from tenacity.wait import wait_base
 
-from msgpatterns.errors import NeedRetry, Reject, seconds
+from msgpatterns.errors import (
+    MAX_DURATION,
+    ConfigurationError,
+    NeedRetry,
+    Reject,
+    describe,
+    seconds,
+)
 
 if TYPE_CHECKING:
     from msgpatterns.message import Message
@@ -36,13 +49,55 @@ def _state(attempt: int) -> tenacity.RetryCallState:
 
 class Backoff(wait_base):
     """A delay schedule: ``delay(attempt)`` seconds before redelivery after failed delivery
-    number ``attempt`` (1-based). Also usable as a tenacity ``wait=`` strategy."""
+    number ``attempt`` (1-based). Also usable as a tenacity ``wait=`` strategy.
+
+    Composition stays a schedule: ``a + b`` (with another Backoff, any tenacity wait or
+    a number of seconds) adds the delays, ``a.cap(s)`` and ``a.floor(s)`` bound them, and
+    :meth:`of` turns any tenacity wait into a Backoff. Delays are always finite and in
+    ``[0, MAX_DURATION]``.
+    """
 
     def delay(self, attempt: int) -> float:
         raise NotImplementedError
 
+    def as_tenacity(self) -> Backoff:
+        """This schedule as a tenacity ``wait=`` strategy: the Backoff itself, which
+        already is one (``tenacity.Retrying(wait=backoff)`` works as well)."""
+        return self
+
     def __call__(self, retry_state: tenacity.RetryCallState) -> float:
         return self.delay(retry_state.attempt_number)
+
+    def __add__(self, other: Any) -> _Sum:
+        return _Sum((self, Backoff.of(other)))
+
+    def __radd__(self, other: Any) -> Backoff:
+        if isinstance(other, int) and other == 0:  # sum([...]) starts at 0
+            return self
+        return _Sum((Backoff.of(other), self))
+
+    def cap(self, most: float | timedelta) -> Backoff:
+        """This schedule with every delay at most ``most`` seconds."""
+        return _Bounded(self, 0.0, seconds(most) or 0.0)
+
+    def floor(self, least: float | timedelta) -> Backoff:
+        """This schedule with every delay at least ``least`` seconds."""
+        return _Bounded(self, seconds(least) or 0.0, MAX_DURATION)
+
+    @staticmethod
+    def of(wait: Any) -> Backoff:
+        """``wait`` as a Backoff: a Backoff as-is, a tenacity wait strategy (any
+        ``wait_base`` or callable taking a ``RetryCallState``) by asking it for each
+        attempt, a number or timedelta as a fixed delay."""
+        if isinstance(wait, Backoff):
+            return wait
+        if isinstance(wait, int | float | timedelta) and not isinstance(wait, bool):
+            return Backoff.fixed(wait)
+        if isinstance(wait, wait_base) or callable(wait):
+            return _Tenacity(wait)
+        raise ConfigurationError(
+            f"a retry schedule must be a Backoff, a tenacity wait or seconds, got {wait!r}"
+        )
 
     @staticmethod
     def exponential(
@@ -108,6 +163,60 @@ class _Levels(Backoff):
         return f"Backoff.levels({list(self.delays)})"
 
 
+def _bounded_delay(value: Any) -> float:
+    """A delay from a composed or foreign strategy, made a valid duration."""
+    delay = float(value)
+    if math.isnan(delay):
+        raise ConfigurationError(f"a retry schedule returned NaN ({value!r})")
+    return min(max(delay, 0.0), MAX_DURATION)
+
+
+class _Sum(Backoff, tenacity.wait_combine):
+    """The sum of several schedules; still a tenacity ``wait_combine`` for tenacity."""
+
+    def __init__(self, parts: tuple[Backoff, ...]) -> None:
+        flat: list[Backoff] = []
+        for part in parts:
+            flat.extend(part.parts if isinstance(part, _Sum) else (part,))
+        self.parts: tuple[Backoff, ...] = tuple(flat)
+        self.wait_funcs = self.parts
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        return self.delay(retry_state.attempt_number)
+
+    def delay(self, attempt: int) -> float:
+        return _bounded_delay(sum(part.delay(attempt) for part in self.parts))
+
+    def __repr__(self) -> str:
+        return " + ".join(map(repr, self.parts))
+
+
+class _Bounded(Backoff):
+    def __init__(self, inner: Backoff, least: float, most: float) -> None:
+        if least > most:
+            raise ConfigurationError(f"backoff floor {least:g}s is above its cap {most:g}s")
+        self.inner, self.least, self.most = inner, least, most
+
+    def delay(self, attempt: int) -> float:
+        return min(max(self.inner.delay(attempt), self.least), self.most)
+
+    def __repr__(self) -> str:
+        return f"({self.inner!r}).floor({self.least:g}).cap({self.most:g})"
+
+
+class _Tenacity(Backoff):
+    """A tenacity wait strategy asked for the delay of each attempt."""
+
+    def __init__(self, wait: Any) -> None:
+        self.wait = wait
+
+    def delay(self, attempt: int) -> float:
+        return _bounded_delay(self.wait(_state(max(1, attempt))))
+
+    def __repr__(self) -> str:
+        return f"Backoff.of({self.wait!r})"
+
+
 class Action(enum.Enum):
     ACK = "ack"
     RETRY_LOCALLY = "retry-locally"
@@ -150,19 +259,39 @@ class RetryPolicy:
     )
 
     def __post_init__(self) -> None:
+        for name in ("max_attempts", "local_retries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigurationError(f"RetryPolicy {name} must be an int, got {value!r}")
         if self.max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
+            raise ConfigurationError("RetryPolicy max_attempts must be at least 1")
         if self.local_retries < 0:
-            raise ValueError("local_retries cannot be negative")
+            raise ConfigurationError("RetryPolicy local_retries cannot be negative")
+        # Any tenacity wait (``wait_fixed(1)``, ``Backoff.exponential() + wait_fixed(5)``)
+        # becomes a Backoff here, so ``decide`` always has a schedule to ask.
+        object.__setattr__(self, "backoff", Backoff.of(self.backoff))
+        object.__setattr__(self, "local_backoff", Backoff.of(self.local_backoff))
+        fatal = self.fatal
+        if isinstance(fatal, type):
+            fatal = (fatal,)
+        if not isinstance(fatal, tuple) or not all(
+            isinstance(t, type) and issubclass(t, BaseException) for t in fatal
+        ):
+            raise ConfigurationError(
+                f"RetryPolicy fatal must be a tuple of exception types, got {self.fatal!r}"
+            )
+        object.__setattr__(self, "fatal", fatal)
 
     def decide(self, message: Message, error: BaseException | None) -> Verdict:
         """The action for ``message`` whose current attempt ended with ``error``."""
         if error is None:
             return _ACK
         if isinstance(error, Reject):
-            return Verdict(Action.DEAD_LETTER, reason=f"rejected: {error}")
+            return Verdict(Action.DEAD_LETTER, reason=f"rejected: {describe(error)}")
         if self.fatal and isinstance(error, self.fatal):
-            return Verdict(Action.DEAD_LETTER, reason=f"fatal {type(error).__name__}: {error}")
+            return Verdict(
+                Action.DEAD_LETTER, reason=f"fatal {type(error).__name__}: {describe(error)}"
+            )
         retry = error if isinstance(error, NeedRetry) else None
         if retry is not None and retry.delay is None and message.local_retries < self.local_retries:
             return Verdict(
@@ -171,7 +300,8 @@ class RetryPolicy:
         if message.attempt >= self.max_attempts:
             return Verdict(
                 Action.DEAD_LETTER,
-                reason=f"gave up after {message.attempt} attempts: {type(error).__name__}: {error}",
+                reason=f"gave up after {message.attempt} attempts: "
+                f"{type(error).__name__}: {describe(error)}",
             )
         if retry is not None and retry.delay is not None:
             return Verdict(Action.REDELIVER, retry.delay)

@@ -17,11 +17,17 @@ Guarantees:
   :func:`read_dead_letter` rebuilds it.
 * :func:`replay_headers` resets the attempt count and drops the failure history while
   keeping the user's own headers.
+* Trace context (W3C ``traceparent``) travels here, in one place for every adapter:
+  while telemetry is on (:func:`msgpatterns.observability.instrument`), a published
+  message gets the current context, a redelivered or dead-lettered one its
+  delivery's; a ``traceparent`` already in the headers (the original publisher's) is
+  never replaced. While it is off nothing is added.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +35,7 @@ from typing import Any
 from msgpatterns import headers as h
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.message import Message
+from msgpatterns.observability import stats as _obs
 
 __all__ = [
     "GROUP",
@@ -42,6 +49,7 @@ __all__ = [
     "dead_letter_headers",
     "dumps_headers",
     "loads_headers",
+    "parse_headers",
     "read_dead_letter",
     "redelivery_headers",
     "replay_headers",
@@ -94,6 +102,42 @@ def loads_headers(raw: str | bytes | None) -> dict[str, str]:
     if not isinstance(data, dict):
         return {}
     return {str(k): text(v) for k, v in data.items()}
+
+
+# The library's headers whose values must parse as numbers.
+_INTEGER_HEADERS = (h.ATTEMPT, h.ORIGINAL_PARTITION, h.ORIGINAL_OFFSET)
+_NUMBER_HEADERS = (TIMESTAMP, h.RETRY_DUE_AT, h.FIRST_FAILED_AT, h.LAST_FAILED_AT)
+
+
+def parse_headers(raw: str | bytes | None) -> dict[str, str]:
+    """The strict twin of :func:`loads_headers`, for headers that came off the wire.
+
+    Guarantees: returns a ``dict[str, str]`` or raises ``ValueError`` whose text says
+    what is wrong (not UTF-8 JSON, not an object, a value that is not a string, one of
+    the library's numeric headers that is not a finite number, an attempt below 1), so
+    an adapter can dead-letter that one message with the reason instead of guessing.
+    """
+    if raw is None:
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"the headers field is not UTF-8 JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"the headers field is JSON {type(data).__name__}, not an object")
+    bad = sorted(str(k) for k, v in data.items() if not isinstance(v, str))
+    if bad:
+        raise ValueError(f"header values must be strings; not for {bad[:5]}")
+    for name in _INTEGER_HEADERS + _NUMBER_HEADERS:
+        if name not in data:
+            continue
+        try:
+            number = int(data[name]) if name in _INTEGER_HEADERS else float(data[name])
+        except ValueError:
+            raise ValueError(f"header {name} is not a number: {data[name][:50]!r}") from None
+        if not math.isfinite(number) or (name == h.ATTEMPT and number < 1):
+            raise ValueError(f"header {name} is out of range: {data[name][:50]!r}")
+    return dict(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +199,15 @@ def wire_headers(
         out[GROUP] = group
     if due_at is not None:
         out[h.RETRY_DUE_AT] = repr(float(due_at))
+    _trace(out, None)
     return out
+
+
+def _trace(out: dict[str, str], message: Message | None) -> None:
+    """Add trace context to ``out`` (see the module docstring) if telemetry is on."""
+    listener = _obs.listener
+    if listener is not None:
+        _obs.report(listener.inject, out, message)
 
 
 def redelivery_headers(
@@ -177,6 +229,7 @@ def redelivery_headers(
         out.setdefault(h.ORIGINAL_PARTITION, str(message.partition))
     if message.offset is not None:
         out.setdefault(h.ORIGINAL_OFFSET, str(message.offset))
+    _trace(out, message)
     return wire_headers(
         out,
         message_id=message.id if with_id else None,
@@ -204,6 +257,7 @@ def dead_letter_headers(record: DeadLetter) -> dict[str, str]:
         out.setdefault(h.ORIGINAL_OFFSET, str(m.offset))
     for name, value in record.extra.items():
         out.setdefault(name, value)
+    _trace(out, m)
     return wire_headers(
         out, message_id=m.id, key=m.key, timestamp=m.timestamp, group=record.group or None,
     )

@@ -13,6 +13,10 @@ its broker offers (native delays, redelivery counts, dead-letter queues):
 * ``dead_letter`` - park the message with its :class:`~msgpatterns.DeadLetter`
   record and remove it from the group's queue.
 * ``publish`` - send a new message; returns its id.
+* ``close`` - release everything the adapter opened (connections, threads, producers)
+  after sending what it queued (acks); afterwards every operation raises
+  :class:`~msgpatterns.errors.BrokerClosed` and the adapter never reconnects.
+  Adapters are context managers: ``with RedisStreamsBroker(...) as broker: ...``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.message import Message
 
-__all__ = ["Broker", "SupportsVirtualTime"]
+__all__ = ["Broker", "SupportsAckMany", "SupportsVirtualTime"]
 
 
 @runtime_checkable
@@ -56,6 +60,18 @@ class Broker(Protocol):
     def now(self) -> float:
         """The broker's clock in seconds since the epoch (virtual on the fake)."""
         ...
+
+    def close(self) -> None:
+        """Flush queued acks, release connections and threads; idempotent."""
+        ...
+
+
+@runtime_checkable
+class SupportsAckMany(Protocol):
+    """A broker that acks many deliveries in one call (an optional speed-up the
+    runtime uses when it settles a batch; each delivery as :meth:`Broker.ack` would)."""
+
+    def ack_many(self, messages: Sequence[Message]) -> None: ...
 
 
 @runtime_checkable

@@ -26,10 +26,26 @@ Guarantees:
   their in-flight messages are then ignored (the new owner redelivers them).
 * The attempt number is durable across retries and restarts (the attempt header).
   Kafka keeps no delivery count, so a redelivery after a crash keeps its attempt.
+* Identity: ``message.id`` is the publisher's id (the id header :meth:`publish`
+  writes) or, for a record from another client, ``<topic>-<partition>-<offset>`` of
+  its original position. A retry or dead letter carries that id in a header, so it is
+  the same on every redelivery; it never comes from a counter that restarts.
+* Lifecycle: :meth:`close` waits for operations in progress (a fetch in progress
+  returns nothing it read after the close began), commits the settled prefixes
+  synchronously, leaves the groups and closes the producer it created; a failed
+  commit or an unflushed produce raises :class:`~msgpatterns.errors.BrokerError`.
+  Afterwards every operation raises :class:`~msgpatterns.errors.BrokerClosed` at once
+  and nothing reconnects. The broker is a context manager.
+* Errors: the constructor fails within ``connect_timeout`` (5 s by default) with
+  :class:`~msgpatterns.errors.BrokerUnavailable` when no broker answers; librdkafka's
+  own log goes to the ``msgpatterns.brokers.kafka.librdkafka`` logger at DEBUG, never
+  to stderr; a confluent-kafka exception never escapes bare (it is the ``__cause__``
+  of a :class:`~msgpatterns.errors.BrokerError`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -37,15 +53,23 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from msgpatterns import headers as h
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._dlq import selected
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.errors import (
+    BrokerClosed,
+    BrokerError,
+    BrokerUnavailable,
+    ConfigurationError,
+    seconds,
+)
 from msgpatterns.message import Message
 
 kafka = require("confluent_kafka", "kafka")
@@ -56,6 +80,75 @@ log = logging.getLogger("msgpatterns.brokers.kafka")
 
 #: Header of a dead-letter-topic marker record: the records it removes, as JSON.
 DLQ_REMOVES = h.PREFIX + "dlq-removes"
+
+#: librdkafka's own log (connection attempts, ...), forwarded at DEBUG.
+rdkafka_log = logging.getLogger("msgpatterns.brokers.kafka.librdkafka")
+
+#: Longest single wait inside a fetch: how soon a fetch notices close().
+_FETCH_SLICE = 0.1
+
+_UNAVAILABLE_CODES = frozenset(
+    getattr(kafka.KafkaError, name) for name in (
+        "_TRANSPORT", "_ALL_BROKERS_DOWN", "_TIMED_OUT", "_MSG_TIMED_OUT", "_RESOLVE",
+        "_TIMED_OUT_QUEUE", "NETWORK_EXCEPTION", "REQUEST_TIMED_OUT",
+        "BROKER_NOT_AVAILABLE", "LEADER_NOT_AVAILABLE",
+    ) if hasattr(kafka.KafkaError, name)
+)
+
+
+class _LibrdkafkaLog:
+    """The ``logger`` given to librdkafka: every line goes to :data:`rdkafka_log` at
+    DEBUG (errors reach callers as exceptions, not as log spam on stderr)."""
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        rdkafka_log.debug(msg, *args)
+
+
+def _kafka_error(exc: BaseException, what: str) -> BrokerError:
+    """The library's error for a confluent-kafka exception (keep it as the cause)."""
+    error = exc.args[0] if exc.args else None
+    if isinstance(error, kafka.KafkaError):
+        kind = BrokerUnavailable if error.code() in _UNAVAILABLE_CODES else BrokerError
+        return kind(f"Kafka {what} failed: {error.str()}")
+    return BrokerError(f"Kafka {what} failed: {exc}")
+
+
+class _Lifecycle:
+    """Open until :meth:`close`; counts the operations in progress so that close can
+    wait for them (librdkafka handles must not be closed under a running call)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self.closed = False
+
+    @contextlib.contextmanager
+    def operation(self, what: str) -> Iterator[None]:
+        with self._cond:
+            if self.closed:
+                raise BrokerClosed(f"KafkaBroker.{what}: the broker is closed")
+            self._active += 1
+        try:
+            yield
+        except kafka.KafkaException as exc:
+            raise _kafka_error(exc, what) from exc
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Refuse new operations and wait up to ``timeout`` for those in progress.
+        False when already closed."""
+        with self._cond:
+            if self.closed:
+                return False
+            self.closed = True
+            if not self._cond.wait_for(lambda: self._active == 0, timeout):
+                log.warning("KafkaBroker.close: operations still running after %gs",
+                            timeout)
+            return True
 
 
 class OffsetTracker:
@@ -125,6 +218,31 @@ class _Group:
     paused: dict[tuple[str, int], float] = field(default_factory=dict)  # -> due time
 
 
+def _utf8(value: Any) -> bool:
+    if isinstance(value, bytes | bytearray):
+        try:
+            bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def _malformed(record: Any) -> str | None:
+    """Why ``record`` cannot be handed out as a Message faithfully, or None: a null
+    value (a Message body is bytes), a header value that is not UTF-8 (headers are
+    text), an attempt header that is not a positive integer (the attempt is unknown)."""
+    if record.value() is None:
+        return "the record has a null value (a tombstone); a message needs a body"
+    for name, value in record.headers() or []:
+        if not _utf8(value):
+            return f"header {name!r} is not UTF-8: {bytes(value)[:64]!r}"
+        if name == h.ATTEMPT:
+            text = codec.text(value)
+            if not text.strip().isdigit() or int(text) < 1:
+                return f"header {h.ATTEMPT!r} is not a positive integer: {text[:64]!r}"
+    return None
+
+
 def _bootstrap(url: str) -> str:
     return url.split("://", 1)[1] if "://" in url else url
 
@@ -139,8 +257,12 @@ class KafkaBroker:
             ``enable.auto.commit`` and the rebalance callbacks are set here).
         producer_config: extra settings for the producer.
         producer: a ``confluent_kafka.Producer`` to use instead of creating one.
-        retry_suffix, dead_letter_suffix: names of the retry and dead-letter topics.
+        retry_suffix: suffix of the retry topic (``<topic>.retry``).
+        dead_letter_suffix: suffix of the dead-letter topic (``<topic>.DLT``).
         delivery_timeout: seconds to wait for a produced record's confirmation.
+        connect_timeout: seconds to wait for the cluster's metadata (the constructor
+            checks that the cluster answers; an unreachable one raises
+            :class:`~msgpatterns.errors.BrokerUnavailable` after this long).
     """
 
     def __init__(
@@ -153,25 +275,65 @@ class KafkaBroker:
         retry_suffix: str = ".retry",
         dead_letter_suffix: str = ".DLT",
         delivery_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
     ) -> None:
         if isinstance(bootstrap_or_config, str):
             self._base: dict[str, Any] = {
                 "bootstrap.servers": _bootstrap(bootstrap_or_config)
             }
-        else:
+        elif isinstance(bootstrap_or_config, Mapping):
             self._base = dict(bootstrap_or_config)
+        else:
+            raise ConfigurationError(
+                "KafkaBroker needs 'host:port', a kafka:// URL or a librdkafka config "
+                f"dict, got {bootstrap_or_config!r}")
+        self.delivery_timeout = seconds(delivery_timeout) or 0.0
+        self.connect_timeout = seconds(connect_timeout) or 0.0
+        self._base.setdefault("logger", _LibrdkafkaLog())
+        self._base.setdefault("socket.connection.setup.timeout.ms",
+                              max(1000, int(self.connect_timeout * 1000)))
         self._consumer_config = dict(consumer_config or {})
         self.retry_suffix = retry_suffix
         self.dead_letter_suffix = dead_letter_suffix
-        self.delivery_timeout = delivery_timeout
-        self._owns_producer = producer is None
-        self._producer = producer if producer is not None else kafka.Producer({
-            **self._base, "enable.idempotence": True, **(producer_config or {}),
-        })
+        self._life = _Lifecycle()
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
         self._epochs = itertools.count(1)
-        self._closed = False
+        self._owns_producer = producer is None
+        self._producer = producer if producer is not None else self._client(
+            "Producer", {**self._base, "enable.idempotence": True, **(producer_config or {})})
+        try:
+            self._check_reachable()
+        except BaseException:
+            self._close_producer()
+            raise
+
+    def _client(self, kind: str, config: dict[str, Any]) -> Any:
+        """A confluent-kafka client; a configuration librdkafka refuses is a
+        :class:`~msgpatterns.errors.ConfigurationError`."""
+        try:
+            return getattr(kafka, kind)(config)
+        except (kafka.KafkaException, ValueError, TypeError) as exc:
+            raise ConfigurationError(f"KafkaBroker: invalid {kind.lower()} "
+                                     f"configuration: {exc}") from exc
+
+    def _check_reachable(self) -> None:
+        """Raise BrokerUnavailable unless the cluster answers a metadata request
+        within ``connect_timeout``."""
+        try:
+            self._producer.list_topics(timeout=self.connect_timeout)
+        except kafka.KafkaException as exc:
+            where = self._base.get("bootstrap.servers")
+            raise BrokerUnavailable(
+                f"Kafka at {where} did not answer within {self.connect_timeout:g}s "
+                f"({_kafka_error(exc, 'metadata request')}); check the address and that "
+                "the cluster is up") from exc
+
+    def __enter__(self) -> KafkaBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- names ----------------------------------------------------------------------
 
@@ -196,14 +358,58 @@ class KafkaBroker:
     ) -> str:
         """Produce to ``topic`` and wait for the broker's confirmation; returns the
         message id (kept in a header, stable across retries)."""
-        message_id = uuid.uuid4().hex
-        self._produce(topic, body_bytes(body), key,
-                      codec.wire_headers(headers, message_id=message_id))
-        return message_id
+        with self._life.operation("publish"):
+            message_id = uuid.uuid4().hex
+            self._produce(topic, body_bytes(body), key,
+                          codec.wire_headers(headers, message_id=message_id))
+            return message_id
+
+    def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
+        """Produce ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
+        and headers) to ``topic``, flush once and wait for every confirmation; returns
+        the message ids in order, as :meth:`publish` would.
+
+        Not atomic: each record is confirmed on its own. If any is not confirmed within
+        ``delivery_timeout`` (or refused), :class:`~msgpatterns.brokers.PartialPublish`
+        says which were (those are written; the others may or may not be). Records of
+        one key keep their order (the producer is idempotent)."""
+        with self._life.operation("publish_many"):
+            batch = [(uuid.uuid4().hex, body_bytes(item.body), item)
+                     for item in outgoing(items)]
+            reports: dict[int, Any] = {}  # index -> delivery error (None: confirmed)
+
+            def report(index: int) -> Any:
+                def on_delivery(error: Any, record: Any) -> None:
+                    reports[index] = error
+                return on_delivery
+
+            failure: BaseException | None = None
+            sent = 0
+            try:
+                for index, (message_id, value, item) in enumerate(batch):
+                    self._send(topic, value, item.key,
+                               codec.wire_headers(item.headers, message_id=message_id),
+                               report(index))
+                    sent += 1
+            except (kafka.KafkaException, BrokerError) as exc:
+                failure = exc
+            give_up = time.monotonic() + self.delivery_timeout
+            while len(reports) < sent and time.monotonic() < give_up:
+                self._producer.flush(min(0.5, max(0.0, give_up - time.monotonic())))
+            ids = [message_id if index in reports and reports[index] is None else None
+                   for index, (message_id, _, _) in enumerate(batch)]
+            if failure is None and all(ids):
+                return [i for i in ids if i is not None]
+            errors = [e for e in reports.values() if e is not None]
+            first = failure if failure is not None else (
+                kafka.KafkaException(errors[0]) if errors else BrokerUnavailable(
+                    f"no delivery report within {self.delivery_timeout:g}s"))
+            raise failed(topic, ids, first) from first
 
     def subscribe(self, topic: str, group: str) -> None:
         """Join ``group`` on ``topic`` now (a fetch does it otherwise)."""
-        self._group(group, [topic])
+        with self._life.operation("subscribe"):
+            self._group(group, [topic])
 
     def fetch(
         self,
@@ -213,77 +419,152 @@ class KafkaBroker:
         timeout: float = 0.0,
     ) -> list[Message]:
         """Up to ``max_messages`` records of ``topics`` and their due retries, waiting
-        up to ``timeout`` seconds. Commits what became safe to commit first."""
+        up to ``timeout`` seconds. Commits what became safe to commit first.
+
+        A fetch in progress when :meth:`close` begins returns at once, and nothing it
+        read after that is handed out or counted (it stays uncommitted, so the group
+        reads it again)."""
         if isinstance(topics, str):
             topics = [topics]
-        state = self._group(group, topics)
-        self._commit(state, asynchronous=True)
-        now = self.now()
-        self._resume_due(state, now)
-        wait = timeout
-        if state.paused:
-            wait = min(wait, max(0.0, min(state.paused.values()) - now))
-        records = state.consumer.consume(num_messages=max_messages, timeout=wait)
-        out: list[Message] = []
-        now = self.now()
-        for record in records:
-            message = self._accept(state, group, record, now)
-            if message is not None:
-                out.append(message)
-        return out
+        with self._life.operation("fetch"):
+            state = self._group(group, topics)
+            self._commit(state, asynchronous=True)
+            self._producer.poll(0)  # serve the producer's callbacks and log lines
+            give_up = time.monotonic() + timeout
+            while True:
+                now = self.now()
+                self._resume_due(state, now)
+                wait = max(0.0, min(give_up - time.monotonic(), _FETCH_SLICE))
+                if state.paused:
+                    wait = min(wait, max(0.0, min(state.paused.values()) - now))
+                records = state.consumer.consume(num_messages=max_messages, timeout=wait)
+                if self._life.closed:
+                    return []  # close() began: hand out nothing read since
+                out: list[Message] = []
+                now = self.now()
+                rewound: set[tuple[str, int]] = set()
+                for record in records:
+                    if (record.topic(), record.partition()) in rewound:
+                        continue  # re-read after the seek back
+                    try:
+                        message = self._accept(state, group, record, now)
+                    except BrokerError:
+                        self._rewind(state, record, rewound)
+                        if not out:
+                            raise
+                        continue
+                    if message is not None:
+                        out.append(message)
+                if out or time.monotonic() >= give_up:
+                    return out
 
     def ack(self, message: Message) -> None:
-        self._settled(self._receipt(message))
+        """Mark the record settled; the next fetch (or :meth:`commit`, or
+        :meth:`close`) commits the contiguous settled prefix."""
+        with self._life.operation("ack"):
+            self._settled(self._receipt(message))
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Produce the retry (original payload, current headers, ``attempt + 1``, due
         in ``delay`` seconds) to ``<topic>.retry``; once confirmed, the record is
         settled."""
-        r = self._receipt(message)
-        if self._stale(r):
-            log.debug("nack of %s ignored: its partition was revoked", message.id)
-            return
-        wire = codec.redelivery_headers(message, group=r.group, due_at=self.now() + delay)
-        self._produce(self.retry_topic(message.topic), body_bytes(message.raw_body),
-                      message.key, wire)
-        self._settled(r)
+        with self._life.operation("nack"):
+            r = self._receipt(message)
+            if self._stale(r):
+                log.debug("nack of %s ignored: its partition was revoked", message.id)
+                return
+            wire = codec.redelivery_headers(message, group=r.group,
+                                            due_at=self.now() + delay)
+            self._produce(self.retry_topic(message.topic), body_bytes(message.raw_body),
+                          message.key, wire)
+            self._settled(r)
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Produce the record to ``<topic>.DLT``; once confirmed, the record is settled."""
-        r = self._receipt(message)
-        if self._stale(r):
-            log.debug("dead letter of %s ignored: its partition was revoked", message.id)
-            return
-        self._produce(self.dead_letter_topic(message.topic), codec.dead_letter_body(record),
-                      message.key, codec.dead_letter_headers(record))
-        self._settled(r)
+        with self._life.operation("dead_letter"):
+            r = self._receipt(message)
+            if self._stale(r):
+                log.debug("dead letter of %s ignored: its partition was revoked",
+                          message.id)
+                return
+            self._produce(self.dead_letter_topic(message.topic),
+                          codec.dead_letter_body(record), message.key,
+                          codec.dead_letter_headers(record))
+            self._settled(r)
 
     def commit(self) -> dict[tuple[str, str, int], int]:
         """Commit every group's settled prefix now (synchronously); returns the
         committed position of every assigned partition that has one, by
         ``(group, topic, partition)``."""
-        out: dict[tuple[str, str, int], int] = {}
-        for group, state in list(self._groups.items()):
-            self._commit(state, asynchronous=False)
-            with self._lock:
-                for (topic, partition), tracker in state.trackers.items():
-                    if tracker.committed is not None:
-                        out[(group, topic, partition)] = tracker.committed
-        return out
+        with self._life.operation("commit"):
+            out: dict[tuple[str, str, int], int] = {}
+            for group, state in list(self._groups.items()):
+                self._commit(state, asynchronous=False)
+                with self._lock:
+                    for (topic, partition), tracker in state.trackers.items():
+                        if tracker.committed is not None:
+                            out[(group, topic, partition)] = tracker.committed
+            return out
+
+    def _close_consumer(self, consumer: Any) -> BaseException | None:
+        """Close ``consumer`` (leave its group) within ``delivery_timeout``: librdkafka's
+        close has no timeout of its own and can block on a broker that never answers,
+        so it runs on a helper thread that is abandoned past the limit."""
+        outcome: list[BaseException] = []
+
+        def leave() -> None:
+            try:
+                consumer.close()
+            except BaseException as exc:
+                outcome.append(exc)
+
+        closer = threading.Thread(target=leave, name="msgpatterns-kafka-close", daemon=True)
+        closer.start()
+        closer.join(self.delivery_timeout)
+        if closer.is_alive():
+            return BrokerUnavailable(
+                f"a consumer did not leave its group within {self.delivery_timeout:g}s")
+        return outcome[0] if outcome else None
 
     def close(self) -> None:
-        """Commit the settled prefixes, leave the groups, flush the producer."""
-        if self._closed:
+        """Wait for operations in progress, commit the settled prefixes
+        (synchronously), leave the groups, and flush and close the producer this broker
+        created (a ``producer=`` given by the caller is flushed, not closed).
+
+        Everything is closed even when a step fails; the first failure is then raised
+        as a :class:`~msgpatterns.errors.BrokerError`. Idempotent.
+        """
+        if not self._life.close(self.delivery_timeout + _FETCH_SLICE):
             return
-        self._closed = True
+        failures: list[BaseException] = []
         for state in list(self._groups.values()):
             try:
-                self._commit(state, asynchronous=False)
-            finally:
-                state.consumer.close()
+                self._commit(state, asynchronous=False, strict=True)
+            except BaseException as exc:
+                failures.append(exc)
+            failure = self._close_consumer(state.consumer)
+            if failure is not None:
+                failures.append(failure)
         self._groups.clear()
+        try:
+            left = self._producer.flush(self.delivery_timeout)
+            if left:
+                failures.append(BrokerUnavailable(
+                    f"{left} produced record(s) not confirmed within "
+                    f"{self.delivery_timeout:g}s"))
+        except BaseException as exc:
+            failures.append(exc)
+        self._close_producer()
+        if failures:
+            first = failures[0]
+            if isinstance(first, BrokerError):
+                raise first
+            raise _kafka_error(first, "close") from first
+
+    def _close_producer(self) -> None:
         if self._owns_producer:
-            self._producer.flush(self.delivery_timeout)
+            with contextlib.suppress(Exception):
+                self._producer.close()
 
     # -- dead-letter admin ----------------------------------------------------------
 
@@ -291,9 +572,10 @@ class KafkaBroker:
                           limit: int | None = None) -> list[DeadLetter]:
         """Dead letters of ``topic`` still in ``<topic>.DLT`` (not replayed or purged),
         oldest first per partition."""
-        out = [record for record in self._live_dead_letters(topic)
-               if selected(record, group, None)]
-        return out if limit is None else out[:limit]
+        with self._life.operation("list_dead_letters"):
+            out = [record for record in self._live_dead_letters(topic)
+                   if selected(record, group, None)]
+            return out if limit is None else out[:limit]
 
     def replay_dead_letters(self, topic: str, group: str | None = None,
                             ids: Collection[str] | None = None, *,
@@ -301,6 +583,11 @@ class KafkaBroker:
         """Re-produce dead letters with attempts reset: to ``<topic>.retry`` for the
         group that dead-lettered them, or to ``topic`` for every group. Each is marked
         removed in the dead-letter topic only after its replay was confirmed."""
+        with self._life.operation("replay_dead_letters"):
+            return self._replay(topic, group, ids, to_topic)
+
+    def _replay(self, topic: str, group: str | None, ids: Collection[str] | None,
+                to_topic: bool) -> int:
         count = 0
         for record in self._live_dead_letters(topic):
             if not selected(record, group, ids):
@@ -323,22 +610,21 @@ class KafkaBroker:
     def purge_dead_letters(self, topic: str, group: str | None = None,
                            ids: Collection[str] | None = None) -> int:
         """Mark dead letters removed (Kafka cannot delete records; retention does)."""
-        doomed = [r for r in self._live_dead_letters(topic) if selected(r, group, ids)]
-        if doomed:
-            self._mark_removed(topic, doomed)
-        return len(doomed)
+        with self._life.operation("purge_dead_letters"):
+            doomed = [r for r in self._live_dead_letters(topic) if selected(r, group, ids)]
+            if doomed:
+                self._mark_removed(topic, doomed)
+            return len(doomed)
 
     # -- internals --------------------------------------------------------------------
 
     def _group(self, group: str, topics: Sequence[str]) -> _Group:
-        if self._closed:
-            raise RuntimeError("the KafkaBroker is closed")
         state = self._groups.get(group)
         wanted = tuple(topics)
         if state is not None and state.topics == wanted:
             return state
         if state is None:
-            consumer = kafka.Consumer({
+            consumer = self._client("Consumer", {
                 **self._base,
                 "auto.offset.reset": "earliest",
                 **self._consumer_config,
@@ -348,6 +634,27 @@ class KafkaBroker:
             })
             state = _Group(consumer, wanted, {})
             self._groups[group] = state
+        self._subscribe(state, wanted)
+        return state
+
+    def _adopt(self, group: str, consumer: Any, topics: Sequence[str]) -> _Group:
+        """Run ``group`` on a consumer the caller created and owns (a raw poll loop:
+        :mod:`msgpatterns.raw.kafka`): the same subscription to ``topics`` and their
+        retry topics, rebalance callbacks and offset trackers as a fetch's own.
+        :meth:`close` closes it; :meth:`_release` hands it back instead."""
+        if group in self._groups:
+            raise ConfigurationError(f"{self!r} already consumes group {group!r}")
+        state = _Group(consumer, (), {})
+        self._groups[group] = state
+        self._subscribe(state, tuple(topics))
+        return state
+
+    def _release(self, group: str) -> None:
+        """Forget an adopted group without closing its consumer."""
+        self._groups.pop(group, None)
+
+    def _subscribe(self, state: _Group, wanted: tuple[str, ...]) -> None:
+        """Subscribe ``state``'s consumer to ``wanted`` and their retry topics."""
         state.topics = wanted
         state.retry_topics = {self.retry_topic(t): t for t in wanted}
         self._touch([*wanted, *state.retry_topics])
@@ -358,14 +665,13 @@ class KafkaBroker:
             on_revoke=lambda consumer, parts: self._on_revoke(subscribed, consumer, parts),
             on_lost=lambda consumer, parts: self._on_revoke(subscribed, None, parts),
         )
-        return state
 
     def _touch(self, topics: Sequence[str]) -> None:
         """Ask for the topics' metadata through the producer, which makes a cluster
         that auto-creates topics create them now, before the subscription looks."""
         for topic in topics:
             try:
-                self._producer.list_topics(topic, timeout=self.delivery_timeout)
+                self._producer.list_topics(topic, timeout=self.connect_timeout)
             except kafka.KafkaException as exc:
                 log.debug("metadata for %s: %s", topic, exc)
 
@@ -384,6 +690,10 @@ class KafkaBroker:
             tracker = state.trackers.get(where)
             if tracker is None:
                 tracker = state.trackers[where] = OffsetTracker(next(self._epochs))
+        problem = _malformed(record)
+        if problem is not None:
+            self._reject_malformed(state, group, record, tracker, problem, now)
+            return None
         t = codec.split_transport(record.headers() or [])
         topic = record.topic()
         if topic in state.retry_topics:
@@ -414,6 +724,46 @@ class KafkaBroker:
         message.receipt = _Receipt(group, record.topic(), record.partition(), offset,
                                    tracker.epoch)
         return message
+
+    def _reject_malformed(self, state: _Group, group: str, record: Any,
+                          tracker: OffsetTracker, problem: str, now: float) -> None:
+        """Dead-letter a record the adapter cannot hand out faithfully (raw value and
+        header bytes kept, the reason in the record); settled once confirmed."""
+        topic = state.retry_topics.get(record.topic(), record.topic())
+        raw = record.headers() or []
+        readable = {k: codec.text(v) for k, v in raw if _utf8(v)}
+        transport = codec.split_transport(readable)
+        message = Message(
+            record.value() or b"",
+            id=transport.id or f"{record.topic()}-{record.partition()}-{record.offset()}",
+            key=codec.text(record.key()) if record.key() is not None else transport.key,
+            topic=topic,
+            headers={k: v for k, v in transport.headers.items() if k != h.ATTEMPT},
+            timestamp=transport.timestamp,
+            partition=record.partition(),
+            offset=record.offset(),
+        )
+        letter = DeadLetter(
+            message=message, error_type="msgpatterns.errors.MalformedMessage",
+            error_message=problem, traceback="", attempts=1, first_failed_at=now,
+            last_failed_at=now, reason=f"malformed record: {problem}", group=group,
+        )
+        log.warning("%s: %s %s-%s@%s dead-lettered: %s", group, topic, record.topic(),
+                    record.partition(), record.offset(), problem)
+        unreadable = [(k, v) for k, v in raw if not _utf8(v)]
+        self._produce(self.dead_letter_topic(topic), record.value(),
+                      message.key, codec.dead_letter_headers(letter), extra=unreadable)
+        with self._lock:
+            tracker.delivered(record.offset())
+            tracker.settled(record.offset())
+
+    def _rewind(self, state: _Group, record: Any, rewound: set[tuple[str, int]]) -> None:
+        """A record could not be settled at fetch time: read its partition again from
+        it (later records of the partition in this batch are not handed out)."""
+        rewound.add((record.topic(), record.partition()))
+        with contextlib.suppress(kafka.KafkaException):
+            state.consumer.seek(kafka.TopicPartition(record.topic(), record.partition(),
+                                                     record.offset()))
 
     def _pause(self, state: _Group, topic: str, partition: int, offset: int,
                due: float) -> None:
@@ -472,7 +822,10 @@ class KafkaBroker:
                     if found is not None:
                         found.committed = None
 
-    def _commit(self, state: _Group, *, asynchronous: bool) -> list[Any]:
+    def _commit(self, state: _Group, *, asynchronous: bool,
+                strict: bool = False) -> list[Any]:
+        """Commit the settled prefixes that moved; a failure is logged and retried on
+        the next fetch, or raised when ``strict``."""
         offsets = []
         with self._lock:
             for (topic, partition), tracker in state.trackers.items():
@@ -484,8 +837,10 @@ class KafkaBroker:
             try:
                 state.consumer.commit(offsets=offsets, asynchronous=asynchronous)
             except kafka.KafkaException as exc:
-                log.warning("offset commit failed (%s); retrying on the next fetch", exc)
                 self._forget_commits([state], offsets)
+                if strict:
+                    raise _kafka_error(exc, "offset commit") from exc
+                log.warning("offset commit failed (%s); retrying on the next fetch", exc)
                 return []
         return offsets
 
@@ -502,9 +857,11 @@ class KafkaBroker:
             if tracker is not None and tracker.epoch == r.epoch:
                 tracker.settled(r.offset)
 
-    def _produce(self, topic: str, value: bytes, key: str | None,
-                 headers: Mapping[str, str]) -> tuple[int, int]:
-        """Produce one record and wait for its delivery report; (partition, offset)."""
+    def _produce(self, topic: str, value: bytes | None, key: str | None,
+                 headers: Mapping[str, str],
+                 extra: Sequence[tuple[str, Any]] = ()) -> tuple[int, int]:
+        """Produce one record (``extra``: raw header pairs appended as they are) and
+        wait for its delivery report; (partition, offset)."""
         outcome: dict[str, Any] = {}
         done = threading.Event()
 
@@ -512,21 +869,37 @@ class KafkaBroker:
             outcome["error"], outcome["record"] = error, produced
             done.set()
 
-        self._producer.produce(
-            topic, value=value, key=None if key is None else key.encode("utf-8"),
-            headers=list(headers.items()), on_delivery=on_delivery,
-        )
+        self._send(topic, value, key, headers, on_delivery, extra)
         give_up = time.monotonic() + self.delivery_timeout
         while not done.is_set():
             if time.monotonic() > give_up:
-                raise kafka.KafkaException(
-                    kafka.KafkaError(kafka.KafkaError._MSG_TIMED_OUT,
-                                     f"no delivery report from {topic}"))
+                raise BrokerUnavailable(f"Kafka produce to {topic}: no delivery report "
+                                        f"within {self.delivery_timeout:g}s")
             self._producer.poll(0.05)
         if outcome["error"] is not None:
-            raise kafka.KafkaException(outcome["error"])
+            raise _kafka_error(kafka.KafkaException(outcome["error"]), f"produce to {topic}")
         produced = outcome["record"]
         return produced.partition(), produced.offset()
+
+    def _send(self, topic: str, value: bytes | None, key: str | None,
+              headers: Mapping[str, str], on_delivery: Any,
+              extra: Sequence[tuple[str, Any]] = ()) -> None:
+        """Hand one record to the producer; while its local queue is full, serve
+        delivery reports and try again (until ``delivery_timeout``)."""
+        give_up = time.monotonic() + self.delivery_timeout
+        while True:
+            try:
+                self._producer.produce(
+                    topic, value=value, key=None if key is None else key.encode("utf-8"),
+                    headers=[*headers.items(), *extra], on_delivery=on_delivery,
+                )
+                return
+            except BufferError as exc:
+                if time.monotonic() > give_up:
+                    raise BrokerUnavailable(f"Kafka produce to {topic}: the producer "
+                                            f"queue stayed full for "
+                                            f"{self.delivery_timeout:g}s") from exc
+                self._producer.poll(0.05)
 
     # -- dead-letter topic scanning ---------------------------------------------------
 
@@ -534,19 +907,19 @@ class KafkaBroker:
         """Every record of ``<topic>.DLT`` up to its current end: (record, dead letter),
         or (record, None) for a removal marker."""
         dlt = self.dead_letter_topic(topic)
-        reader = kafka.Consumer({
+        reader = self._client("Consumer", {
             **self._base, "group.id": f"msgpatterns-dlq-reader-{uuid.uuid4().hex[:8]}",
             "enable.auto.commit": False, "enable.partition.eof": False,
         })
         try:
-            metadata = reader.list_topics(dlt, timeout=self.delivery_timeout)
+            metadata = reader.list_topics(dlt, timeout=self.connect_timeout)
             info = metadata.topics.get(dlt)
             if info is None or info.error is not None:
                 return
             ends: dict[int, int] = {}
             for partition in info.partitions:
                 low, high = reader.get_watermark_offsets(
-                    kafka.TopicPartition(dlt, partition), timeout=self.delivery_timeout)
+                    kafka.TopicPartition(dlt, partition), timeout=self.connect_timeout)
                 if high > low:
                     ends[partition] = high
             if not ends:

@@ -13,16 +13,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import random
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgpatterns.brokers._batch import outgoing
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.errors import MAX_DURATION, BrokerClosed, ConfigurationError, seconds
 from msgpatterns.message import Message
 
 __all__ = ["BrokerEvent", "BrokerStats", "InMemoryBroker", "VirtualClock"]
@@ -31,7 +34,9 @@ log = logging.getLogger("msgpatterns.brokers.memory")
 
 
 class VirtualClock:
-    """Wall-clock time plus the jumps a test asked for. Thread-safe; never goes back."""
+    """Wall-clock time plus the jumps a test asked for. Thread-safe; never goes back,
+    and never leaves the finite range: a jump past ``MAX_DURATION`` from now is refused
+    with :class:`~msgpatterns.errors.ConfigurationError`."""
 
     def __init__(self, start: float | None = None) -> None:
         base = time.time()
@@ -42,18 +47,31 @@ class VirtualClock:
         return time.time() + self._offset
 
     def advance(self, seconds: float) -> None:
-        """Jump ``seconds`` forward."""
-        if seconds < 0:
-            raise ValueError("the clock never goes back")
+        """Jump ``seconds`` forward (a negative, NaN, infinite or huge jump is refused)."""
+        step = _duration(seconds, "advance")
         with self._lock:
-            self._offset += seconds
+            self._offset += step
 
     def advance_to(self, when: float) -> None:
-        """Jump to ``when`` if it lies in the future."""
+        """Jump to ``when`` if it lies in the future (a non-finite or absurdly distant
+        ``when`` is refused)."""
+        if not isinstance(when, (int, float)) or not math.isfinite(when) \
+                or when - time.time() - self._offset > MAX_DURATION:
+            raise ConfigurationError(f"advance_to needs a finite, reachable time, got {when!r}")
         with self._lock:
             ahead = when - (time.time() + self._offset)
             if ahead > 0:
                 self._offset += ahead
+
+
+def _duration(value: object, what: str) -> float:
+    """``value`` as seconds, refused with ConfigurationError unless a finite, bounded,
+    non-negative duration: the virtual clock and delay heap must stay finite."""
+    try:
+        result = seconds(value)  # type: ignore[arg-type]
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{what}: {exc}") from None
+    return result or 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +79,7 @@ class BrokerEvent:
     """One thing that happened to a delivery, for assertions and debugging."""
 
     kind: str  # publish | deliver | ack | lost-ack | nack | dead | duplicate | timeout
-    message_id: str
+    message_id: str | None
     group: str
     attempt: int
     at: float
@@ -153,10 +171,12 @@ class InMemoryBroker:
                 raise ValueError(f"{name} must be in [0, 1), got {rate}")
         if reorder_window < 0:
             raise ValueError("reorder_window cannot be negative")
+        if not _duration(visibility_timeout, "visibility_timeout"):
+            raise ConfigurationError("visibility_timeout must be positive")
         self.duplicate_rate = duplicate_rate
         self.reorder_window = reorder_window
         self.lost_ack_rate = lost_ack_rate
-        self.visibility_timeout = visibility_timeout
+        self.visibility_timeout = _duration(visibility_timeout, "visibility_timeout")
         self.clock = clock or VirtualClock()
         self.stats = BrokerStats()
         self.record_history = record_history
@@ -184,31 +204,55 @@ class InMemoryBroker:
         headers: Mapping[str, str] | None = None,
         id: str | None = None,
     ) -> str:
-        """Publish a message to every group of ``topic``; returns its id."""
+        """Publish a message to every group of ``topic``; returns its id.
+
+        Raises ConfigurationError for an empty or non-string topic, BrokerClosed after
+        :meth:`close`.
+        """
+        _check_topic(topic)
         with self._cond:
-            if id is None:
-                id = uuid.UUID(int=self._rng.getrandbits(128), version=4).hex if self._seeded \
-                    else uuid.uuid4().hex
-            log_ = self._topics.setdefault(topic, [])
-            entry = _Entry(
-                next(self._uids), id, topic, body, key, dict(headers or {}),
-                self.clock.now(), len(log_),
-            )
-            log_.append(entry)
-            for (_, lane_topic), lane in self._lanes.items():
-                if lane_topic == topic:
-                    lane.ready.append(entry)
-                    lane.entries += 1
-            self.stats.published += 1
-            self.published.append(self._to_message(entry, entry.headers, 1))
-            self._event("publish", entry.id, "", 0)
-            self._cond.notify_all()
+            self._check_open()
+            return self._append(topic, body, key, headers, id)
+
+    def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
+        """Publish ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
+        and headers) to every group of ``topic``; returns their ids in order. All or
+        nothing: the batch is appended at once (no fetch sees part of it)."""
+        _check_topic(topic)
+        batch = outgoing(items)
+        with self._cond:
+            self._check_open()
+            return [self._append(topic, item.body, item.key, item.headers, None)
+                    for item in batch]
+
+    def _append(self, topic: str, body: Any, key: str | None,
+                headers: Mapping[str, str] | None, id: str | None) -> str:
+        """Append one message (under the lock); returns its id."""
+        if id is None:
+            id = uuid.UUID(int=self._rng.getrandbits(128), version=4).hex if self._seeded \
+                else uuid.uuid4().hex
+        log_ = self._topics.setdefault(topic, [])
+        entry = _Entry(
+            next(self._uids), id, topic, body, key, dict(headers or {}),
+            self.clock.now(), len(log_),
+        )
+        log_.append(entry)
+        for (_, lane_topic), lane in self._lanes.items():
+            if lane_topic == topic:
+                lane.ready.append(entry)
+                lane.entries += 1
+        self.stats.published += 1
+        self.published.append(self._to_message(entry, entry.headers, 1))
+        self._event("publish", entry.id, "", 0)
+        self._cond.notify_all()
         return id
 
     def subscribe(self, topic: str, group: str) -> None:
         """Create ``group`` on ``topic`` now (it otherwise appears on its first fetch and
         starts from the earliest message)."""
+        _check_topic(topic)
         with self._cond:
+            self._check_open()
             self._lane(group, topic)
 
     # -- Broker protocol ------------------------------------------------------------
@@ -223,9 +267,14 @@ class InMemoryBroker:
         max_messages: int = 1,
         timeout: float = 0.0,
     ) -> list[Message]:
-        """Up to ``max_messages`` deliveries for ``group``, waiting up to ``timeout``."""
-        give_up = time.monotonic() + timeout
+        """Up to ``max_messages`` deliveries for ``group``, waiting up to ``timeout``.
+
+        A fetch waiting when :meth:`close` is called returns at once with nothing; a
+        fetch after it raises BrokerClosed.
+        """
+        give_up = time.monotonic() + _duration(timeout, "fetch timeout")
         with self._cond:
+            self._check_open()
             lanes = [(t, self._lane(group, t)) for t in topics]
             while True:
                 out: list[Message] = []
@@ -246,6 +295,7 @@ class InMemoryBroker:
     def ack(self, message: Message) -> None:
         receipt = self._receipt(message)
         with self._cond:
+            self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
             done = lane.done.get(receipt.uid)
             if done is not None:
@@ -266,8 +316,12 @@ class InMemoryBroker:
             self._event("ack", message.id, receipt.group, message.attempt)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
+        """Redeliver after ``delay`` seconds (virtual). A negative, NaN, infinite or
+        huge delay raises ConfigurationError and changes nothing."""
+        delay = _duration(delay, "nack delay")
         receipt = self._receipt(message)
         with self._cond:
+            self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
             held = lane.inflight.get(receipt.uid)
             if held is None or held[0] != receipt.token or receipt.uid in lane.done:
@@ -286,6 +340,7 @@ class InMemoryBroker:
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         receipt = self._receipt(message)
         with self._cond:
+            self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
             if receipt.uid in lane.done:
                 return
@@ -300,16 +355,19 @@ class InMemoryBroker:
 
     def next_due(self, topics: Sequence[str], group: str) -> float | None:
         with self._cond:
+            self._check_open()
             return self._next_due([(t, self._lane(group, t)) for t in topics])
 
     def advance_to(self, when: float) -> None:
         with self._cond:
+            self._check_open()
             self.clock.advance_to(when)
             self._cond.notify_all()
 
     def advance(self, seconds: float) -> None:
         """Move the virtual clock ``seconds`` forward."""
         with self._cond:
+            self._check_open()
             self.clock.advance(seconds)
             self._cond.notify_all()
 
@@ -357,10 +415,28 @@ class InMemoryBroker:
             )
 
     def close(self) -> None:
-        """Wake every waiting fetch; later fetches return nothing."""
+        """Close the broker; idempotent.
+
+        A fetch waiting now returns at once with nothing; afterwards every broker
+        operation (``publish``, ``subscribe``, ``fetch``, ``ack``, ``nack``,
+        ``dead_letter``, ``next_due``, ``advance``/``advance_to``) raises
+        :class:`~msgpatterns.errors.BrokerClosed` at once. The assertion views
+        (``acked``, ``pending``, ``dead_letters``, ``stats``, ``history``) and ``now()``
+        keep working.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        """Lock held: raise BrokerClosed after close()."""
+        if self._closed:
+            raise BrokerClosed("the InMemoryBroker is closed")
 
     # -- internals --------------------------------------------------------------------
 
@@ -454,9 +530,14 @@ class InMemoryBroker:
             raise ValueError(f"{message!r} was not delivered by this InMemoryBroker")
         return receipt
 
-    def _event(self, kind: str, message_id: str, group: str, attempt: int,
+    def _event(self, kind: str, message_id: str | None, group: str, attempt: int,
                delay: float = 0.0) -> None:
         if self.record_history:
             self.history.append(
                 BrokerEvent(kind, message_id, group, attempt, self.clock.now(), delay)
             )
+
+
+def _check_topic(topic: object) -> None:
+    if not isinstance(topic, str) or not topic:
+        raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")

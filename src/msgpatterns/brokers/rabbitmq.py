@@ -13,17 +13,43 @@ Guarantees:
 
 * Manual acks, at most ``prefetch`` unacked deliveries per broker object (set it to the
   Consumer's ``max_in_flight``).
+* Two channels on one connection: deliveries and their acks on the *consume* channel;
+  publishes (with publisher confirms) and declarations on a *side* channel. A publish
+  or declaration the server refuses closes at most the side channel, which is reopened
+  on next use: it never costs a reconnect or a redelivery of anything in flight.
+* :meth:`~RabbitMQBroker.publish` raises :class:`~msgpatterns.errors.UnroutableError`
+  at once when nothing would keep the message (no such exchange, no queue bound); it
+  declares nothing, so a failed publish leaves nothing behind.
 * A retry or dead letter is published with publisher confirms *before* the original is
-  acked: a crash in between duplicates it, never loses it.
+  acked: a crash in between duplicates it, never loses it. When that publish fails, the
+  delivery is handed back (``basic_nack`` with requeue) before the error is raised: a
+  delivery is never left unacked on the live channel. Every string put on the wire is
+  made encodable first (lone surrogates escaped).
+* ``message.id`` is the publisher's id (AMQP ``message_id``, or the library's id header
+  on copies it republishes) or None; never a delivery tag. Retries and dead letters
+  keep the original id and carry the attempt number.
 * The attempt number is durable: the attempt header written on every retry, plus the
   quorum queue's ``x-delivery-count`` for deliveries that died with their consumer.
   (Classic queues only say "redelivered": such a redelivery counts as one attempt.)
+* Header values are data: a delivery whose attempt or delivery-count header is not a
+  valid count is dead-lettered (reason naming the header) by the adapter itself; other
+  values of unusual types reach the handler as text. Nothing from the wire can stop
+  the I/O thread.
 * Thread-safe: pika connections are not, so one I/O thread owns the connection and
   every other thread hands it work (``add_callback_threadsafe``). ``ack`` does not
   wait; ``nack``, ``dead_letter`` and ``publish`` return once the broker confirmed.
 * A lost connection is re-established (tenacity, until :meth:`close`). Deliveries of
   the lost connection go back to their queue on the server; their late acks and nacks
   are dropped, so they are redelivered (at least once) rather than settled twice.
+  Authentication and permission failures are never retried: they raise
+  :class:`~msgpatterns.errors.BrokerUnavailable` at once, with one line saying so.
+* :meth:`~RabbitMQBroker.close` sends the queued acks (or raises
+  :class:`~msgpatterns.errors.BrokerError` saying they could not be sent), hands back
+  prefetched deliveries, and closes the connection; afterwards every operation raises
+  :class:`~msgpatterns.errors.BrokerClosed` at once and nothing reconnects.
+* Users see the library's errors (:class:`~msgpatterns.errors.BrokerError` and its
+  subclasses, :class:`~msgpatterns.errors.ConfigurationError`), with pika's exception
+  as the cause; a pika exception never escapes bare.
 """
 
 from __future__ import annotations
@@ -35,48 +61,236 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from types import TracebackType
 from typing import Any, TypeVar
 
+from msgpatterns import headers as h
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._dlq import selected
-from msgpatterns.brokers._reconnect import reconnecting
+from msgpatterns.brokers._reconnect import (
+    RECONNECT_BACKOFF,
+    reconnect_backoff,
+    reconnecting,
+)
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.errors import (
+    BrokerClosed,
+    BrokerError,
+    BrokerUnavailable,
+    ConfigurationError,
+    MalformedMessage,
+    UnroutableError,
+    describe,
+    printable,
+    seconds,
+)
 from msgpatterns.message import Message
 
 pika = require("pika", "rabbitmq")
 
-__all__ = ["RabbitMQBroker", "delay_bucket_ms"]
+__all__ = ["MAX_DELAY_MS", "RabbitMQBroker", "delay_bucket_ms"]
 
 log = logging.getLogger("msgpatterns.brokers.rabbitmq")
 
 T = TypeVar("T")
 
+#: Errors the reconnect loop treats as a lost connection (retried with backoff).
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     pika.exceptions.AMQPConnectionError,
     pika.exceptions.AMQPChannelError,
     pika.exceptions.ConnectionWrongStateError,
     ConnectionError,
 )
+#: Errors that mean an operation met a dying connection (worth one more try after the
+#: reconnect). A refusal by the server (404, 406, returned, nacked) is not one of them.
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    pika.exceptions.AMQPConnectionError,
+    pika.exceptions.ChannelWrongStateError,
+    ConnectionError,
+)
+#: Never retried: a wrong user, password or vhost permission does not heal by itself.
+_AUTH_ERRORS: tuple[type[BaseException], ...] = (
+    pika.exceptions.ProbableAuthenticationError,
+    pika.exceptions.AuthenticationError,
+    pika.exceptions.ProbableAccessDeniedError,
+)
 # Headers RabbitMQ adds that handlers have no use for.
 _BROKER_HEADERS = ("x-death", "x-delivery-count", "x-first-death-exchange",
                    "x-first-death-queue", "x-first-death-reason", "x-last-death-exchange",
                    "x-last-death-queue", "x-last-death-reason")
+_DELIVERY_COUNT = "x-delivery-count"
+#: The longest retry delay a retry queue holds (RabbitMQ's TTL and ``x-expires`` are at
+#: most 2^32-1 ms; this bucket plus the queue's one-minute expiry margin stays below).
+MAX_DELAY_MS = 4_200_000_000
+_SHORTSTR = 255  # AMQP short strings (header names, message ids): at most 255 bytes
 
 
 def delay_bucket_ms(delay: float) -> int:
     """``delay`` in milliseconds rounded *up* to two significant digits (at least 1):
-    a retry is never early, at most ~10% late, and delays share few retry queues."""
+    a retry is never early, at most ~10% late, and delays share few retry queues.
+
+    Delays above :data:`MAX_DELAY_MS` (about 48.6 days, RabbitMQ's TTL limit) get that
+    bucket. A negative, NaN or infinite delay raises
+    :class:`~msgpatterns.errors.ConfigurationError`.
+    """
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or not (
+        math.isfinite(delay) and delay >= 0
+    ):
+        raise ConfigurationError(f"a retry delay must be finite and >= 0 seconds: {delay!r}")
+    if delay * 1000 >= MAX_DELAY_MS:
+        return MAX_DELAY_MS
     ms = max(1, math.ceil(delay * 1000))
     if ms < 100:
         return ms
     step = int(10 ** (len(str(ms)) - 2))
-    return -(-ms // step) * step
+    return min(MAX_DELAY_MS, -(-ms // step) * step)
+
+
+def _shortstr(value: str) -> str:
+    """``value`` as an encodable AMQP short string (escaped, at most 255 bytes)."""
+    data = printable(value).encode("utf-8")
+    if len(data) <= _SHORTSTR:
+        return printable(value)
+    return data[:_SHORTSTR].decode("utf-8", errors="ignore")
+
+
+def _wire_text(value: Any) -> Any:
+    return printable(value) if isinstance(value, str) else value
+
+
+def _optional_text(value: Any) -> str | None:
+    """A property from the wire (str, or bytes that were not UTF-8) as text, or None."""
+    if value is None:
+        return None
+    text = codec.text(value)
+    return text or None
+
+
+def _delivery_count(value: Any, redelivered: bool) -> int:
+    """The server's count of earlier deliveries of this copy, validated."""
+    if value is None:
+        return 1 if redelivered else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedMessage(
+            f"header {_DELIVERY_COUNT!r} must be a non-negative integer, got {value!r}"
+        )
+    return value
+
+
+def _attempt(headers: Mapping[str, str], redeliveries: int) -> int:
+    """The durable attempt number; a library attempt header that is not a positive
+    integer is refused (it would reset or corrupt the retry limit)."""
+    raw = headers.get(h.ATTEMPT)
+    if raw is not None:
+        try:
+            valid = int(raw) >= 1
+        except (TypeError, ValueError):
+            valid = False
+        if not valid:
+            raise MalformedMessage(
+                f"header {h.ATTEMPT!r} must be a positive integer, got {raw!r}"
+            )
+    return codec.attempt_of(headers, redeliveries)
+
+
+def retry_queue_arguments(queue: str, delay_ms: int, queue_type: str | None) -> dict[str, Any]:
+    """The arguments of retry queue ``<queue>.retry.<delay_ms>``: that message TTL, then
+    dead-lettered back to ``queue``; deleted a minute after its last use."""
+    args: dict[str, Any] = {
+        **({} if queue_type is None else {"x-queue-type": queue_type}),
+        "x-message-ttl": delay_ms,
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": queue,
+        "x-expires": delay_ms + 60_000,
+    }
+    if queue_type == "quorum":  # at-least-once dead-lettering back to the queue
+        args.update({"x-dead-letter-strategy": "at-least-once",
+                     "x-overflow": "reject-publish"})
+    return args
+
+
+def dead_letter_queue_arguments(queue_type: str | None) -> dict[str, Any]:
+    """A classic queue: dead letters are inspected by fetching and returning them,
+    which a quorum queue's delivery limit would eventually punish."""
+    return {} if queue_type is None else {"x-queue-type": "classic"}
+
+
+def redelivery_wire(message: Message, group: str, attempt: int | None = None
+                    ) -> tuple[bytes, Any]:
+    """Payload and properties of the copy that redelivers ``message`` to ``group``."""
+    wire = codec.redelivery_headers(message, group=group, with_id=False, attempt=attempt)
+    return body_bytes(message.raw_body), RabbitMQBroker._properties(message.id, wire)
+
+
+def dead_letter_wire(record: DeadLetter) -> tuple[bytes, Any]:
+    """Payload and properties of the dead letter holding ``record``."""
+    wire = codec.dead_letter_headers(record)
+    wire.pop(codec.MESSAGE_ID, None)
+    return (codec.dead_letter_body(record),
+            RabbitMQBroker._properties(record.message.id, wire))
+
+
+def publish_confirmed(side: Any, exchange: str, routing_key: str, payload: bytes,
+                      props: Any, *, who: str) -> None:
+    """Publish (mandatory) on ``side``, a channel in confirm mode, and wait for the
+    confirm; a message nothing would keep raises UnroutableError."""
+    try:
+        side.basic_publish(exchange, routing_key, payload, props, mandatory=True)
+    except pika.exceptions.UnroutableError as exc:
+        raise UnroutableError(
+            f"{who}: no queue is bound to exchange {exchange!r} for routing key "
+            f"{routing_key!r} (has a group subscribed?); nothing was sent"
+        ) from exc
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            raise UnroutableError(
+                f"{who}: exchange {exchange!r} does not exist (no group has "
+                f"subscribed to it yet); nothing was sent"
+            ) from exc
+        raise
+
+
+class _Confirms:
+    """A channel in confirm mode whose confirms are counted as they arrive instead of
+    awaited one publish at a time (pika's BlockingChannel waits for each)."""
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        self.seq = 0  # the last delivery tag published on the channel
+        self.pending: dict[int, None] = {}  # tags awaiting a confirm, in order
+        self.outcome: dict[int, bool] = {}  # tag -> acked (True) or nacked (False)
+        self.returned: set[str] = set()  # message ids the server returned (unroutable)
+        self.ready = False
+        self.closed_by: BaseException | None = None  # why the server closed the channel
+
+    def on_close(self, channel: Any, reason: BaseException) -> None:
+        self.closed_by = reason
+
+    def on_select_ok(self, frame: Any) -> None:
+        self.ready = True
+
+    def on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        acked = isinstance(method, pika.spec.Basic.Ack)
+        if method.multiple:
+            done = list(itertools.takewhile(lambda t: t <= method.delivery_tag,
+                                            self.pending))
+        else:
+            done = [method.delivery_tag]
+        for tag in done:
+            if self.pending.pop(tag, "gone") is None:
+                self.outcome[tag] = acked
+
+    def on_return(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
+        if properties.message_id:
+            self.returned.add(properties.message_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +316,10 @@ class RabbitMQBroker:
             or None to declare without a type (existing queues).
         declare: declare exchanges, queues and bindings (False: they must exist).
         name: connection name shown in the management UI.
-        connect_timeout: seconds the constructor tries to connect before raising.
+        connect_timeout: seconds the constructor tries to connect before raising
+            :class:`~msgpatterns.errors.BrokerUnavailable` (also pika's socket and
+            stack timeouts for a URL that sets none).
+        close_timeout: seconds :meth:`close` waits for the I/O thread to flush.
     """
 
     def __init__(
@@ -115,14 +332,16 @@ class RabbitMQBroker:
         queue_type: str | None = "quorum",
         declare: bool = True,
         name: str | None = None,
-        connect_timeout: float = 10.0,
+        connect_timeout: float = 5.0,
+        close_timeout: float = 10.0,
     ) -> None:
-        if prefetch < 1:
-            raise ValueError("prefetch must be at least 1")
-        if isinstance(url_or_parameters, str):
-            params = pika.URLParameters(url_or_parameters)
-        else:
-            params = url_or_parameters
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigurationError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+        connect_timeout = seconds(connect_timeout) or 0.0
+        if connect_timeout <= 0:
+            raise ConfigurationError("connect_timeout must be positive")
+        self._close_timeout = seconds(close_timeout) or 0.0
+        params = self._parameters(url_or_parameters, connect_timeout)
         self.name = name or f"msgpatterns-{uuid.uuid4().hex[:8]}"
         props = dict(params.client_properties or {})
         props.setdefault("connection_name", self.name)
@@ -135,6 +354,8 @@ class RabbitMQBroker:
         self.declare = declare
 
         self._closed = threading.Event()
+        self._failure: BrokerError | None = None  # why the I/O thread gave up for good
+        self._close_error: BaseException | None = None
         self._ops: deque[tuple[Callable[[Any], Any], Future[Any] | None]] = deque()
         self._ops_lock = threading.Lock()
         self._wake_pending = False
@@ -144,13 +365,54 @@ class RabbitMQBroker:
         self._tags: dict[str, str] = {}  # consumer tag -> queue
         self._declared: set[str] = set()
         self._conn: Any = None
-        self._channel: Any = None
+        self._channel: Any = None  # deliveries and their acks
+        self._side: Any = None  # publishes (confirmed) and declarations
+        self._batches: _Confirms | None = None  # publish_many: confirms counted, not awaited
         self._generation = 0
         self._ids = itertools.count(1)
-        self._connect(reconnecting(_CONNECTION_ERRORS, logger=log, what="RabbitMQ connect",
-                                   attempts=max(1, int(connect_timeout / 1.5)), max_wait=2.0))
+        retrying = reconnecting(_CONNECTION_ERRORS, logger=log, what="RabbitMQ connect",
+                                attempts=None, within=connect_timeout,
+                                backoff=reconnect_backoff(1.0), fatal=_AUTH_ERRORS)
+        try:
+            self._connect(retrying)
+        except BrokerError:
+            raise
+        except Exception as exc:
+            raise BrokerUnavailable(
+                f"cannot connect to RabbitMQ at {self._where()} within {connect_timeout:g}s:"
+                f" {describe(exc) or type(exc).__name__}"
+            ) from exc
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-io", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _parameters(url_or_parameters: Any, connect_timeout: float) -> Any:
+        """pika connection parameters; a URL without timeouts gets ``connect_timeout``
+        as its socket and stack timeouts (pika's defaults are 10 s and 15 s)."""
+        if not isinstance(url_or_parameters, str):
+            return url_or_parameters
+        try:
+            params = pika.URLParameters(url_or_parameters)
+        except Exception as exc:
+            raise ConfigurationError(f"not a usable AMQP URL: {describe(exc)}") from exc
+        query = url_or_parameters.partition("?")[2]
+        if "socket_timeout" not in query:
+            params.socket_timeout = connect_timeout
+        if "stack_timeout" not in query:
+            params.stack_timeout = connect_timeout
+        return params
+
+    def _where(self) -> str:
+        """Host, port and vhost (never the credentials), for error messages."""
+        p = self._params
+        return f"{p.host}:{p.port} (vhost {p.virtual_host!r})"
+
+    def __enter__(self) -> RabbitMQBroker:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
     # -- names ----------------------------------------------------------------------
 
@@ -182,26 +444,63 @@ class RabbitMQBroker:
         headers: Mapping[str, str] | None = None,
     ) -> str:
         """Publish to the topic's exchange and wait for the broker's confirm; returns
-        the message id. Raises ``pika.exceptions.UnroutableError`` when no queue is
-        bound (no group has subscribed yet): nothing would keep the message."""
+        the message id. Raises :class:`~msgpatterns.errors.UnroutableError` at once when
+        nothing would keep the message (no group has subscribed to the topic yet: no
+        exchange, or no queue bound); the connection and every delivery in flight are
+        unaffected, and nothing is declared."""
+        self._check_open()
         message_id = uuid.uuid4().hex
         payload = body_bytes(body)
-        wire = codec.wire_headers(headers, key=key)
+        props = self._properties(message_id, codec.wire_headers(headers, key=key))
         exchange = self.exchange_name(topic)
 
-        def op(channel: Any) -> None:
-            self._declare_exchange(channel, exchange)
-            channel.basic_publish(exchange, topic, payload,
-                                  self._properties(message_id, wire), mandatory=True)
+        def op(_: Any) -> None:
+            self._publish_confirmed(exchange, topic, payload, props)
 
-        retrying = reconnecting(_CONNECTION_ERRORS, logger=log, what="RabbitMQ publish",
-                                attempts=5, max_wait=2.0)
-        retrying(self._call, op)
+        retrying = reconnecting(_TRANSIENT, logger=log, what="RabbitMQ publish",
+                                attempts=5, backoff=reconnect_backoff(2.0), fatal=_AUTH_ERRORS)
+        with self._errors("publish"):
+            retrying(self._call, op)
         return message_id
+
+    def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
+        """Publish ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
+        and headers) to the topic's exchange and wait once for all their publisher
+        confirms (batched confirms: one wait, not one per message); returns the message
+        ids in order, as :meth:`publish` would.
+
+        Not atomic: the server confirms each message on its own. If any is nacked,
+        returned as unroutable (no queue bound), or not confirmed within
+        ``close_timeout`` seconds, :class:`~msgpatterns.brokers.PartialPublish` says
+        which were confirmed (those are queued; the others may or may not be). A batch
+        to an exchange that does not exist sends nothing (its ``__cause__`` is an
+        :class:`~msgpatterns.errors.UnroutableError`). Never retried as a whole (that
+        would duplicate the confirmed ones)."""
+        self._check_open()
+        batch = []
+        for item in outgoing(items):
+            message_id = uuid.uuid4().hex
+            batch.append((message_id, body_bytes(item.body), self._properties(
+                message_id, codec.wire_headers(item.headers, key=item.key))))
+        if not batch:
+            return []
+        exchange = self.exchange_name(topic)
+        with self._errors("publish_many"):
+            confirmed, failure = self._call(
+                lambda _: self._publish_batch(exchange, topic, batch))
+        ids = [mid if ok else None for (mid, _, _), ok in zip(batch, confirmed, strict=True)]
+        if failure is None and not all(confirmed):
+            failure = BrokerError(f"{self.name}: the server did not confirm every message "
+                                  f"(nacked, returned as unroutable, or timed out)")
+        if failure is not None:
+            raise failed(topic, ids, failure) from failure
+        return [mid for mid, _, _ in batch]
 
     def subscribe(self, topic: str, group: str) -> None:
         """Declare the topic's exchange and ``group``'s queue and binding now."""
-        self._call(lambda channel: self._declare_group(channel, topic, group))
+        self._check_open()
+        with self._errors("subscribe"):
+            self._call(lambda _: self._declare_group(topic, group))
 
     def fetch(
         self,
@@ -211,13 +510,15 @@ class RabbitMQBroker:
         timeout: float = 0.0,
     ) -> list[Message]:
         """Up to ``max_messages`` deliveries of ``group``'s queues, waiting up to
-        ``timeout`` seconds for the first."""
+        ``timeout`` seconds for the first (returns early, empty, if closed meanwhile)."""
+        self._check_open()
         if isinstance(topics, str):
             topics = [topics]
         queues = [self.queue_name(t, group) for t in topics]
         for topic, queue in zip(topics, queues, strict=True):
             if queue not in self._routes:
-                self._call(partial(self._start_consuming, topic=topic, group=group))
+                with self._errors("fetch"):
+                    self._call(partial(self._start_consuming, topic=topic, group=group))
         give_up = time.monotonic() + timeout
         out: list[Message] = []
         with self._cond:
@@ -231,55 +532,79 @@ class RabbitMQBroker:
                             out.append(buffer.popleft())
                             taking = True
                 left = give_up - time.monotonic()
-                if out or left <= 0 or self._closed.is_set():
+                if out or left <= 0 or self._closed.is_set() or not self._thread.is_alive():
                     return out
                 self._cond.wait(left)
 
     def ack(self, message: Message) -> None:
-        """Ack the delivery (does not wait; a lost connection redelivers it)."""
+        """Ack the delivery (does not wait; a lost connection redelivers it; queued acks
+        are sent by :meth:`close`)."""
         r = self._receipt(message)
         self._submit(lambda channel: self._settle(channel, r), wait=False)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
-        """Redeliver after ``delay`` seconds (through a TTL retry queue) with
-        ``attempt + 1``, the original payload and the current headers."""
-        self._call(partial(self._requeue, message=message, delay=delay))
+        """Redeliver after ``delay`` seconds (through a TTL retry queue, at most
+        :data:`MAX_DELAY_MS`) with ``attempt + 1``, the original payload and id, and the
+        current headers.
+
+        A delay that is not a duration (negative, NaN, infinite, absurd) raises
+        :class:`~msgpatterns.errors.ConfigurationError` after handing the delivery back
+        to its queue: a refused settlement never leaves a delivery unacked.
+        """
+        r = self._receipt(message)
+        try:
+            checked = seconds(delay) or 0.0
+            delay_bucket_ms(checked)
+        except ConfigurationError:
+            self._submit(lambda _: self._hand_back(r), wait=False)
+            raise
+        with self._errors("nack"):
+            self._call(partial(self._requeue, message=message, delay=checked))
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
-        """Publish the record to the group's dead-letter queue, then ack."""
+        """Publish the record to the group's dead-letter queue, then ack. Texts are
+        made encodable first; if the publish still fails, the delivery is handed back
+        to its queue and the error raised."""
         r = self._receipt(message)
-        payload = codec.dead_letter_body(record)
-        wire = codec.dead_letter_headers(record)
-        wire.pop(codec.MESSAGE_ID, None)
-
-        def op(channel: Any) -> None:
-            if r.generation != self._generation:
-                return
-            dlq = self._declare_dead_letter_queue(channel, r.queue)
-            channel.basic_publish("", dlq, payload, self._properties(message.id, wire),
-                                  mandatory=True)
-            self._settle(channel, r)
-
-        self._call(op)
+        with self._errors("dead_letter"):
+            self._call(lambda channel: self._dead_letter_now(channel, r, record))
 
     def close(self) -> None:
-        """Flush pending acks and close the connection (unacked deliveries go back to
-        their queues)."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
+        """Send the queued acks, hand back prefetched deliveries, cancel the consumers
+        and close the connection (unacked deliveries go back to their queues).
+
+        Idempotent. Raises :class:`~msgpatterns.errors.BrokerError` when queued work
+        could not be flushed (those deliveries are redelivered by the server).
+        Afterwards every operation raises :class:`~msgpatterns.errors.BrokerClosed`.
+        """
+        with self._ops_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
         self._wake()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=self._close_timeout)
         with self._cond:
             self._cond.notify_all()
+        if self._thread.is_alive():
+            raise BrokerError(
+                f"{self.name}: close() did not finish within {self._close_timeout:g}s; "
+                "queued acks may be unsent (the server redelivers those deliveries)"
+            )
+        if self._close_error is not None:
+            raise BrokerError(
+                f"{self.name}: close() could not send the queued acks "
+                f"({describe(self._close_error)}); the server redelivers those deliveries"
+            ) from self._close_error
 
     # -- dead-letter admin ----------------------------------------------------------
 
     def list_dead_letters(self, topic: str, group: str | None = None, *,
                           limit: int | None = None) -> list[DeadLetter]:
         """Dead letters of ``group`` (required: each group has its own queue)."""
+        self._check_open()
         out: list[DeadLetter] = []
-        with self._dead_letter_scan(topic, self._require_group(group)) as scan:
+        with self._errors("list_dead_letters"), \
+                self._dead_letter_scan(topic, self._require_group(group)) as scan:
             for _, record in scan:
                 out.append(record)
                 if limit is not None and len(out) >= limit:
@@ -292,9 +617,10 @@ class RabbitMQBroker:
         """Publish dead letters back (to the group's queue, or the topic's exchange)
         with attempts reset; each is acked off the dead-letter queue only after its
         publish was confirmed."""
+        self._check_open()
         group = self._require_group(group)
         count = 0
-        with self._dead_letter_scan(topic, group) as scan:
+        with self._errors("replay_dead_letters"), self._dead_letter_scan(topic, group) as scan:
             for (channel, tag), record in scan:
                 if not selected(record, None, ids):
                     continue
@@ -314,44 +640,99 @@ class RabbitMQBroker:
 
     def purge_dead_letters(self, topic: str, group: str | None = None,
                            ids: Collection[str] | None = None) -> int:
+        self._check_open()
         group = self._require_group(group)
         count = 0
-        with self._dead_letter_scan(topic, group) as scan:
+        with self._errors("purge_dead_letters"), self._dead_letter_scan(topic, group) as scan:
             for (channel, tag), record in scan:
                 if selected(record, None, ids):
                     channel.basic_ack(tag)
                     count += 1
         return count
 
+    # -- errors and state -----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        """Raise at once if the broker is closed or its I/O thread gave up."""
+        if self._failure is not None:
+            raise BrokerUnavailable(str(self._failure)) from self._failure
+        if self._closed.is_set():
+            raise BrokerClosed(f"{self.name} is closed")
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """Translate pika's and the socket's exceptions into the library's own (the
+        original is the cause); the library's own errors pass unchanged."""
+        try:
+            yield
+        except (BrokerError, ConfigurationError):
+            raise
+        except pika.exceptions.UnroutableError as exc:
+            raise UnroutableError(f"{self.name}: {what}: RabbitMQ returned the message "
+                                  "(no queue bound); nothing was sent") from exc
+        except pika.exceptions.NackError as exc:
+            raise BrokerError(f"{self.name}: {what}: RabbitMQ refused the message "
+                              "(publisher nack)") from exc
+        except (pika.exceptions.AMQPConnectionError, ConnectionError) as exc:
+            if self._closed.is_set():
+                raise BrokerClosed(f"{self.name} is closed") from exc
+            raise BrokerUnavailable(f"{self.name}: {what}: connection to {self._where()} "
+                                    f"failed: {describe(exc) or type(exc).__name__}") from exc
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerError(f"{self.name}: {what} failed: "
+                              f"{describe(exc) or type(exc).__name__}") from exc
+
+    def _auth_failure(self, exc: BaseException) -> BrokerUnavailable:
+        user = getattr(getattr(self._params, "credentials", None), "username", "?")
+        return BrokerUnavailable(
+            f"RabbitMQ at {self._where()} refused user {user!r} "
+            f"({type(exc).__name__}): check the user name, password and the user's "
+            "permissions on the vhost"
+        )
+
     # -- the I/O thread -----------------------------------------------------------
 
     def _loop(self) -> None:
         forever = reconnecting(_CONNECTION_ERRORS, logger=log, what="RabbitMQ reconnect",
-                               attempts=None, max_wait=5.0, until=self._closed)
-        while not self._closed.is_set():
-            try:
-                if self._conn is None:
-                    forever(self._reconnect)
-                    continue
-                self._run_ops()
-                self._conn.process_data_events(time_limit=1.0)
-            except _CONNECTION_ERRORS as exc:
-                if self._closed.is_set():
+                               attempts=None, backoff=RECONNECT_BACKOFF, until=self._closed,
+                               fatal=_AUTH_ERRORS)
+        try:
+            while not self._closed.is_set():
+                try:
+                    if self._conn is None:
+                        forever(self._reconnect)
+                        continue
+                    self._run_ops()
+                    self._conn.process_data_events(time_limit=1.0)
+                    if not self._usable():
+                        raise pika.exceptions.ChannelWrongStateError(
+                            "the consume channel was closed")
+                except BrokerError as exc:  # authentication: give up, never retry
+                    self._failure = exc
+                    log.error("%s: %s", self.name, exc)
                     break
-                log.warning("%s: connection lost (%r); reconnecting", self.name, exc)
-                self._lost()
-            except Exception:
-                log.exception("%s: unexpected error in the I/O loop", self.name)
-                self._lost()
-        self._shutdown()
+                except Exception as exc:
+                    if self._closed.is_set():
+                        break
+                    log.warning("%s: connection lost (%r); reconnecting", self.name, exc)
+                    self._lost()
+        finally:
+            self._shutdown()
+
+    def _usable(self) -> bool:
+        conn, channel = self._conn, self._channel
+        return bool(conn is not None and conn.is_open and channel is not None
+                    and channel.is_open)
 
     def _connect(self, retrying: Any) -> None:
         def connect() -> None:
-            conn = pika.BlockingConnection(self._params)
+            try:
+                conn = pika.BlockingConnection(self._params)
+            except _AUTH_ERRORS as exc:
+                raise self._auth_failure(exc) from exc
             channel = conn.channel()
-            channel.confirm_delivery()
             channel.basic_qos(prefetch_count=self.prefetch)
-            self._conn, self._channel = conn, channel
+            self._conn, self._channel, self._side = conn, channel, None
             self._generation += 1
 
         retrying(connect)
@@ -365,7 +746,7 @@ class RabbitMQBroker:
         log.info("%s: reconnected", self.name)
 
     def _lost(self) -> None:
-        conn, self._conn, self._channel = self._conn, None, None
+        conn, self._conn, self._channel, self._side = self._conn, None, None, None
         self._tags.clear()  # consumer tags die with their channel
         with self._cond:
             for buffer in self._buffers.values():
@@ -377,12 +758,33 @@ class RabbitMQBroker:
                 log.debug("closing the lost connection failed", exc_info=True)
 
     def _shutdown(self) -> None:
-        if self._conn is None:
-            return
+        """Flush, hand back, cancel and close; then fail whatever still waits."""
+        try:
+            if self._usable():
+                self._flush_and_hand_back()
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except Exception:
+                    log.debug("%s: closing the connection failed", self.name, exc_info=True)
+        finally:
+            self._conn = self._channel = self._side = None
+            self._fail_waiting()
+            with self._cond:
+                for buffer in self._buffers.values():
+                    buffer.clear()
+                self._cond.notify_all()
+
+    def _flush_and_hand_back(self) -> None:
         try:
             self._run_ops()
+            # Deliveries received but not yet dispatched would be nacked by pika's
+            # cancel (a quorum queue counts that as an attempt): buffer them first, so
+            # they are handed back below with their own attempt number.
+            self._conn.process_data_events(time_limit=0)
             for tag in list(self._tags):
                 self._channel.basic_cancel(tag)
+            self._tags.clear()
             with self._cond:
                 unused = [m for buffer in self._buffers.values() for m in buffer]
                 for buffer in self._buffers.values():
@@ -390,17 +792,52 @@ class RabbitMQBroker:
             for message in unused:  # prefetched, never handed out: not an attempt
                 self._requeue(self._channel, message=message, delay=0.0,
                               attempt=message.attempt)
-            self._conn.close()
-        except Exception:
-            log.debug("%s: closing failed", self.name, exc_info=True)
-        self._conn = self._channel = None
+            self._run_ops()
+        except Exception as exc:
+            self._close_error = exc
+            log.error("%s: closing could not flush queued acks (%r); the server "
+                      "redelivers those deliveries", self.name, exc)
 
-    def _submit(self, fn: Callable[[Any], T], *, wait: bool) -> Future[T] | None:
-        future: Future[T] | None = Future() if wait else None
+    def _fail_waiting(self) -> None:
+        """After the I/O thread's last turn: nothing queued will ever run."""
+        error: BrokerError = (BrokerUnavailable(str(self._failure))
+                              if self._failure is not None
+                              else BrokerClosed(f"{self.name} is closed"))
+        with self._ops_lock:
+            waiting, self._ops = list(self._ops), deque()
+            self._wake_pending = False
+        unsent = 0
+        for _, future in waiting:
+            if future is None:
+                unsent += 1
+            elif future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        if unsent:
+            log.warning("%s: %d queued ack(s) were not sent (the connection was gone); "
+                        "the server redelivers those deliveries", self.name, unsent)
+
+    def _enqueue(self, fn: Callable[[Any], Any], future: Future[Any] | None) -> None:
         with self._ops_lock:
             self._ops.append((fn, future))
             wake = not self._wake_pending
             self._wake_pending = True
+        if wake:
+            self._wake()
+
+    def _submit(self, fn: Callable[[Any], T], *, wait: bool) -> Future[T] | None:
+        """Queue ``fn(channel)`` for the I/O thread; raises BrokerClosed after close()
+        (checked under the queue's lock: whatever was queued before close is flushed)."""
+        future: Future[T] | None = Future() if wait else None
+        wake = accepted = False
+        with self._ops_lock:
+            if not self._closed.is_set() and self._failure is None:
+                accepted = True
+                self._ops.append((fn, future))
+                wake = not self._wake_pending
+                self._wake_pending = True
+        if not accepted:
+            self._check_open()
+            raise BrokerClosed(f"{self.name} is closed")
         if wake:
             self._wake()
         return future
@@ -409,8 +846,6 @@ class RabbitMQBroker:
         """Run ``fn(channel)`` on the I/O thread and return its result."""
         if threading.current_thread() is self._thread:
             return fn(self._channel)
-        if self._closed.is_set():
-            raise pika.exceptions.ConnectionWrongStateError("the broker is closed")
         future = self._submit(fn, wait=True)
         assert future is not None
         while True:
@@ -418,8 +853,8 @@ class RabbitMQBroker:
                 return future.result(timeout=1.0)
             except TimeoutError:
                 if not self._thread.is_alive():
-                    raise pika.exceptions.ConnectionWrongStateError(
-                        "the broker is closed") from None
+                    self._check_open()
+                    raise BrokerClosed(f"{self.name}: the I/O thread has stopped") from None
 
     def _wake(self) -> None:
         conn = self._conn
@@ -435,6 +870,8 @@ class RabbitMQBroker:
         pass
 
     def _run_ops(self) -> None:
+        """Run the queued operations. An operation's failure goes to its caller; only a
+        dead connection or consume channel stops the run (and triggers a reconnect)."""
         while True:
             with self._ops_lock:
                 if not self._ops:
@@ -450,13 +887,116 @@ class RabbitMQBroker:
                     future.set_exception(exc)
                 else:
                     log.warning("%s: background operation failed: %r", self.name, exc)
-                if isinstance(exc, _CONNECTION_ERRORS):
+                if not self._usable():
                     raise
             else:
                 if future is not None:
                     future.set_result(result)
 
     # -- I/O-thread helpers (run with the channel) ------------------------------------
+
+    def _side_channel(self) -> Any:
+        """The channel for publishes and declarations, (re)opened on demand: the server
+        closes it on a refused publish or declaration, never the consume channel."""
+        side = self._side
+        if side is None or not side.is_open:
+            if self._conn is None:
+                raise pika.exceptions.ConnectionWrongStateError("not connected")
+            side = self._conn.channel()
+            side.confirm_delivery()
+            self._side = side
+        return side
+
+    def _publish_confirmed(self, exchange: str, routing_key: str, payload: bytes,
+                           props: Any) -> None:
+        """Publish (mandatory) on the side channel and wait for the confirm; a message
+        nothing would keep raises UnroutableError."""
+        publish_confirmed(self._side_channel(), exchange, routing_key, payload, props,
+                          who=self.name)
+
+    def _confirm_channel(self) -> _Confirms:
+        """The publish_many channel, (re)opened in confirm mode with counted confirms."""
+        batches = self._batches
+        if batches is not None and batches.channel.is_open:
+            return batches
+        if self._conn is None:
+            raise pika.exceptions.ConnectionWrongStateError("not connected")
+        batches = _Confirms(self._conn.channel())
+        impl = batches.channel._impl
+        impl.confirm_delivery(ack_nack_callback=batches.on_confirm,
+                              callback=batches.on_select_ok)
+        impl.add_on_return_callback(batches.on_return)
+        impl.add_on_close_callback(batches.on_close)
+        give_up = time.monotonic() + self._close_timeout
+        while not batches.ready and time.monotonic() < give_up:
+            self._conn.process_data_events(time_limit=0.002)
+        if not batches.ready:
+            raise pika.exceptions.AMQPChannelError("confirm mode was not acknowledged")
+        self._batches = batches
+        return batches
+
+    def _publish_batch(self, exchange: str, routing_key: str,
+                       batch: Sequence[tuple[str, bytes, Any]]
+                       ) -> tuple[list[bool], BaseException | None]:
+        """Publish every message (mandatory), then serve the connection until each is
+        confirmed or ``close_timeout`` passes: which were acked (and not returned), and
+        the failure that stopped the batch, if any."""
+        confirms = self._confirm_channel()
+        tags: list[int] = []
+        failure: BaseException | None = None
+        impl = confirms.channel._impl  # buffered writes: no flush per message
+        try:
+            for _, payload, props in batch:
+                # counted before the publish: its confirm can arrive while pika flushes
+                confirms.seq += 1
+                confirms.pending[confirms.seq] = None
+                tags.append(confirms.seq)
+                impl.basic_publish(exchange, routing_key, payload, props, mandatory=True)
+            give_up = time.monotonic() + self._close_timeout
+            while (confirms.pending and confirms.channel.is_open
+                   and time.monotonic() < give_up):
+                assert self._conn is not None
+                self._conn.process_data_events(time_limit=0.002)
+        except pika.exceptions.AMQPChannelError as exc:  # closed by the server meanwhile
+            failure = confirms.closed_by or exc
+        if failure is None and confirms.pending and not confirms.channel.is_open:
+            failure = confirms.closed_by or BrokerError(
+                f"{self.name}: the publish channel closed before every message was "
+                "confirmed")
+        if isinstance(failure, pika.exceptions.ChannelClosedByBroker) \
+                and failure.reply_code == 404:
+            failure = UnroutableError(f"{self.name}: exchange {exchange!r} does not exist "
+                                      "(no group has subscribed to it yet)")
+        ok = [confirms.outcome.pop(tag, False) and mid not in confirms.returned
+              for tag, (mid, _, _) in zip(tags, batch, strict=False)]
+        ok += [False] * (len(batch) - len(ok))
+        confirms.returned.clear()
+        for tag in tags:
+            confirms.pending.pop(tag, None)
+        if failure is not None:
+            self._batches = None
+        return ok, failure
+
+    def _hand_back(self, r: _Receipt) -> None:
+        """Return the delivery to its queue (a settlement failed or was refused)."""
+        if r.generation == self._generation and self._usable():
+            self._channel.basic_nack(r.delivery_tag, requeue=True)
+
+    @contextmanager
+    def _or_hand_back(self, r: _Receipt) -> Iterator[None]:
+        """A settlement step that must not strand the delivery: on failure, hand it
+        back (if the channel still lives; otherwise the server already did)."""
+        try:
+            yield
+        except BaseException as exc:
+            try:
+                self._hand_back(r)
+                log.warning("%s: settling delivery %d failed (%r); handed it back to %s",
+                            self.name, r.delivery_tag, exc, r.queue)
+            except Exception:
+                log.warning("%s: handing back delivery %d failed", self.name,
+                            r.delivery_tag, exc_info=True)
+            raise
 
     def _requeue(self, channel: Any, *, message: Message, delay: float,
                  attempt: int | None = None) -> None:
@@ -465,13 +1005,22 @@ class RabbitMQBroker:
         r = self._receipt(message)
         if r.generation != self._generation:
             return  # the connection that delivered it is gone: the server redelivers it
-        wire = codec.redelivery_headers(message, group=r.group, with_id=False,
-                                        attempt=attempt)
-        target = r.queue
-        if delay > 0:
-            target = self._declare_retry_queue(channel, r.queue, delay_bucket_ms(delay))
-        channel.basic_publish("", target, body_bytes(message.raw_body),
-                              self._properties(message.id, wire), mandatory=True)
+        with self._or_hand_back(r):
+            payload, props = redelivery_wire(message, r.group, attempt)
+            target = r.queue
+            if delay > 0:
+                target = self._declare_retry_queue(r.queue, delay_bucket_ms(delay))
+            self._publish_confirmed("", target, payload, props)
+        self._settle(channel, r)
+
+    def _dead_letter_now(self, channel: Any, r: _Receipt, record: DeadLetter) -> None:
+        """Publish ``record`` to the group's dead-letter queue (confirmed), then ack."""
+        if r.generation != self._generation:
+            return
+        with self._or_hand_back(r):
+            payload, props = dead_letter_wire(record)
+            dlq = self._declare_dead_letter_queue(r.queue)
+            self._publish_confirmed("", dlq, payload, props)
         self._settle(channel, r)
 
     def _settle(self, channel: Any, r: _Receipt) -> None:
@@ -479,32 +1028,67 @@ class RabbitMQBroker:
             channel.basic_ack(r.delivery_tag)
 
     def _on_message(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
-        queue = self._tags[method.consumer_tag]
+        """A delivery from the server (I/O thread). Never raises: a delivery that cannot
+        become a Message is dead-lettered with the reason."""
+        queue = self._tags.get(method.consumer_tag)
+        if queue is None:  # a consumer we no longer track: let the server have it back
+            channel.basic_nack(method.delivery_tag, requeue=True)
+            return
         topic, group = self._routes[queue]
-        raw = properties.headers or {}
-        redeliveries = raw.get("x-delivery-count")
-        if redeliveries is None:
-            redeliveries = 1 if method.redelivered else 0
-        t = codec.split_transport(raw, drop=_BROKER_HEADERS)
-        message = Message(
-            body,
-            id=t.id or properties.message_id or f"{queue}:{method.delivery_tag}",
-            key=t.key,
-            topic=topic,
-            headers=t.headers,
-            timestamp=t.timestamp or properties.timestamp,
-            attempt=codec.attempt_of(t.headers, int(redeliveries)),
-        )
-        message.receipt = _Receipt(self._generation, method.delivery_tag, queue, group)
+        receipt = _Receipt(self._generation, method.delivery_tag, queue, group)
+        try:
+            message = self._message(topic, method, properties, body)
+        except Exception as exc:
+            log.warning("%s: delivery %d of %s is malformed (%s); dead-lettering it",
+                        self.name, method.delivery_tag, queue, describe(exc))
+            self._enqueue(partial(self._dead_letter_malformed, r=receipt, topic=topic,
+                                  properties=properties, body=body, error=exc), None)
+            return
+        message.receipt = receipt
         with self._cond:
             self._buffers.setdefault(queue, deque()).append(message)
             self._cond.notify_all()
+
+    @staticmethod
+    def _message(topic: str, method: Any, properties: Any, body: bytes) -> Message:
+        """The Message of a delivery; raises MalformedMessage naming a bad header."""
+        raw = properties.headers or {}
+        if not isinstance(raw, Mapping):
+            raise MalformedMessage(f"headers are not a table: {type(raw).__name__}")
+        redeliveries = _delivery_count(raw.get(_DELIVERY_COUNT), bool(method.redelivered))
+        t = codec.split_transport(raw, drop=_BROKER_HEADERS)
+        timestamp = t.timestamp
+        if timestamp is None and isinstance(properties.timestamp, int):
+            timestamp = float(properties.timestamp)
+        return Message(
+            body,
+            id=t.id or _optional_text(properties.message_id),
+            key=t.key,
+            topic=topic,
+            headers=t.headers,
+            timestamp=timestamp,
+            attempt=_attempt(t.headers, redeliveries),
+        )
+
+    def _dead_letter_malformed(self, channel: Any, *, r: _Receipt, topic: str,
+                               properties: Any, body: bytes, error: Exception) -> None:
+        try:
+            headers = codec.split_transport(properties.headers or {},
+                                            drop=_BROKER_HEADERS).headers
+        except Exception:
+            headers = {}
+        message = Message(body, id=_optional_text(properties.message_id), topic=topic,
+                          headers=headers)
+        message.receipt = r
+        record = DeadLetter.from_error(message, error, now=time.time(),
+                                       reason=describe(error), group=r.group)
+        self._dead_letter_now(channel, r, record)
 
     def _start_consuming(self, channel: Any, *, topic: str, group: str) -> None:
         queue = self.queue_name(topic, group)
         if queue in self._routes:
             return
-        self._declare_group(channel, topic, group)
+        self._declare_group(topic, group)
         self._routes[queue] = (topic, group)
         self._consume(channel, queue, topic, group)
 
@@ -513,59 +1097,57 @@ class RabbitMQBroker:
         self._tags[tag] = queue
         channel.basic_consume(queue, self._on_message, auto_ack=False, consumer_tag=tag)
 
-    def _declare_group(self, channel: Any, topic: str, group: str) -> None:
-        exchange = self._declare_exchange(channel, self.exchange_name(topic))
-        queue = self._declare_queue(channel, self.queue_name(topic, group))
+    def _declare_group(self, topic: str, group: str) -> None:
+        exchange = self._declare_exchange(self.exchange_name(topic))
+        queue = self._declare_queue(self.queue_name(topic, group))
         if self.declare and f"bind:{queue}" not in self._declared:
-            channel.queue_bind(queue, exchange, routing_key=topic)
+            self._side_channel().queue_bind(queue, exchange, routing_key=topic)
             self._declared.add(f"bind:{queue}")
 
-    def _declare_exchange(self, channel: Any, exchange: str) -> str:
+    def _declare_exchange(self, exchange: str) -> str:
         if self.declare and f"exchange:{exchange}" not in self._declared:
-            channel.exchange_declare(exchange, exchange_type="fanout", durable=True)
+            self._side_channel().exchange_declare(exchange, exchange_type="fanout",
+                                                  durable=True)
             self._declared.add(f"exchange:{exchange}")
         return exchange
 
     def _queue_arguments(self) -> dict[str, Any]:
         return {} if self.queue_type is None else {"x-queue-type": self.queue_type}
 
-    def _declare_queue(self, channel: Any, queue: str) -> str:
+    def _declare_queue(self, queue: str) -> str:
         if self.declare and f"queue:{queue}" not in self._declared:
-            channel.queue_declare(queue, durable=True, arguments=self._queue_arguments())
+            self._side_channel().queue_declare(queue, durable=True,
+                                               arguments=self._queue_arguments())
             self._declared.add(f"queue:{queue}")
         return queue
 
-    def _declare_dead_letter_queue(self, channel: Any, queue: str) -> str:
+    def _declare_dead_letter_queue(self, queue: str) -> str:
         """A classic queue: dead letters are inspected by fetching and returning them,
         which a quorum queue's delivery limit would eventually punish."""
         name = self.dead_letter_queue_name(queue)
         if self.declare and f"queue:{name}" not in self._declared:
-            args = {} if self.queue_type is None else {"x-queue-type": "classic"}
-            channel.queue_declare(name, durable=True, arguments=args)
+            self._side_channel().queue_declare(
+                name, durable=True, arguments=dead_letter_queue_arguments(self.queue_type))
             self._declared.add(f"queue:{name}")
         return name
 
-    def _declare_retry_queue(self, channel: Any, queue: str, delay_ms: int) -> str:
+    def _declare_retry_queue(self, queue: str, delay_ms: int) -> str:
         """Declared on every use: ``x-expires`` deletes a retry queue a minute after its
         last use, always after its last message has moved on."""
         name = self.retry_queue_name(queue, delay_ms)
-        args: dict[str, Any] = {
-            **self._queue_arguments(),
-            "x-message-ttl": delay_ms,
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": queue,
-            "x-expires": delay_ms + 60_000,
-        }
-        if self.queue_type == "quorum":  # at-least-once dead-lettering back to the queue
-            args.update({"x-dead-letter-strategy": "at-least-once",
-                         "x-overflow": "reject-publish"})
-        channel.queue_declare(name, durable=True, arguments=args)
+        self._side_channel().queue_declare(
+            name, durable=True,
+            arguments=retry_queue_arguments(queue, delay_ms, self.queue_type))
         return name
 
     @staticmethod
-    def _properties(message_id: str, headers: Mapping[str, str]) -> Any:
+    def _properties(message_id: str | None, headers: Mapping[str, str]) -> Any:
+        """Message properties with every text made encodable (lone surrogates escaped,
+        short strings cut to 255 bytes): pika can always encode them."""
         return pika.BasicProperties(
-            message_id=message_id, headers=dict(headers), delivery_mode=2,
+            message_id=None if message_id is None else _shortstr(message_id),
+            headers={_shortstr(str(k)): _wire_text(v) for k, v in headers.items()},
+            delivery_mode=2,
             timestamp=int(time.time()),
         )
 
@@ -574,7 +1156,8 @@ class RabbitMQBroker:
     @staticmethod
     def _require_group(group: str | None) -> str:
         if not group:
-            raise ValueError("RabbitMQ keeps dead letters per group queue: pass a group")
+            raise ConfigurationError(
+                "RabbitMQ keeps dead letters per group queue: pass a group")
         return group
 
     @contextmanager

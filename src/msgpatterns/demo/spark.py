@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from msgpatterns.demo import STEPS, DemoResult, _Console
+from msgpatterns.demo.console import STEPS, Console, DemoResult
 from msgpatterns.idempotency.sql import SqlChecker
 from msgpatterns.spark.batch import IdempotentBatch, idempotent_batch
 from msgpatterns.spark.dedup import dedup_rows
@@ -46,7 +46,7 @@ from msgpatterns.spark.upsert import upsert_latest
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, Row, SparkSession
 
-__all__ = ["run_spark_demo"]
+__all__ = ["AppendRows", "check", "plan_feed", "run_spark_demo"]
 
 SCHEMA = ("order_id STRING, status STRING, version BIGINT, amount_cents BIGINT, "
           "event_id STRING, _corrupt_record STRING")
@@ -259,7 +259,7 @@ def run_spark_demo(args: argparse.Namespace) -> bool:
     after a run; the first run always does when it is above 0), seed, workers (local
     cores), db (SQLAlchemy URL; default a SQLite file), no_progress.
     """
-    console = _Console(None)
+    console = Console(None)
     rng = random.Random(args.seed)
     feed = plan_feed(args.orders, args.malformed, args.duplicate_rate, args.reorder_window,
                      rng, files=getattr(args, "files", FILES))

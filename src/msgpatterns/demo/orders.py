@@ -17,8 +17,6 @@ exact. Runs on SQLite by default (``--db`` takes any SQLAlchemy URL).
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import json
 import logging
 import random
@@ -26,66 +24,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from msgpatterns.brokers.memory import InMemoryBroker
 from msgpatterns.consumer import Consumer
+from msgpatterns.demo.console import STEPS, Console, DemoResult
 from msgpatterns.errors import MalformedMessage
 from msgpatterns.message import Message
 from msgpatterns.retry import Backoff, RetryPolicy
 
-__all__ = ["DemoResult", "register", "run_demo"]
+__all__ = ["TOPIC", "build_handler", "parse_event", "run_demo"]
 
-STEPS = ("created", "paid", "shipped", "delivered")
 TOPIC = "orders.status"
-
-
-@dataclass
-class DemoResult:
-    """What the demo did and whether the final state is exact."""
-
-    published: int
-    malformed: int
-    summary: dict[str, Any]
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def exact(self) -> bool:
-        return not self.problems
-
-
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "demo",
-        help="run the order-status demo on a misbehaving in-memory broker",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("--orders", type=int, default=500, help="orders (4 events each)")
-    parser.add_argument("--malformed", type=int, default=3, help="malformed messages to inject")
-    parser.add_argument("--duplicate-rate", type=float, default=0.1)
-    parser.add_argument("--reorder-window", type=int, default=32)
-    parser.add_argument("--lost-ack-rate", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--db", default=None, help="SQLAlchemy URL (default: a new SQLite file)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--spark", action="store_true",
-                        help="run the Spark Structured Streaming variant instead")
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.spark:
-        spark_demo = importlib.import_module("msgpatterns.spark.demo")
-        return 0 if spark_demo.run_spark_demo(args) else 1
-    result = run_demo(
-        orders=args.orders, malformed=args.malformed, duplicate_rate=args.duplicate_rate,
-        reorder_window=args.reorder_window, lost_ack_rate=args.lost_ack_rate,
-        seed=args.seed, workers=args.workers, db=args.db, progress=not args.no_progress,
-    )
-    return 0 if result.exact else 1
 
 
 # -- the business handler --------------------------------------------------------------
@@ -256,7 +207,7 @@ def run_demo(
     table_prefix: str = "demo_",
 ) -> DemoResult:
     """Run the pipeline and print a summary; the result says whether it was exact."""
-    console = _Console(out)
+    console = Console(out)
     rng = random.Random(seed)
     broker = InMemoryBroker(
         seed=seed, duplicate_rate=duplicate_rate, reorder_window=reorder_window,
@@ -316,62 +267,3 @@ def run_demo(
                                        for d in list(firsts.values())[:3]])
     workdir.cleanup()
     return result
-
-
-class _Console:
-    """Rich output when ``rich`` is installed, plain text otherwise."""
-
-    def __init__(self, out: Callable[[str], None] | None) -> None:
-        self._out = out
-        self._rich: Any = None
-        if out is None:
-            try:
-                import rich.console
-
-                self._rich = rich.console.Console()
-            except ImportError:
-                pass
-
-    def print(self, text: str) -> None:
-        (self._out or print)(text)
-
-    def progress(self, runner: threading.Thread, done: Callable[[], int], total: int,
-                 *, enabled: bool) -> None:
-        if not enabled or self._rich is None:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        with Progress("[progress.description]{task.description}", BarColumn(),
-                      MofNCompleteColumn(), TimeElapsedColumn(), console=self._rich) as bar:
-            task = bar.add_task("settling messages", total=total)
-            while runner.is_alive():
-                bar.update(task, completed=done())
-                runner.join(0.05)
-            bar.update(task, completed=done())
-
-    def summary(self, result: DemoResult, expected: dict[str, Any], dead: list[str]) -> None:
-        verdict = (
-            f"exact: {len(expected['orders'])} orders, {len(expected['payments'])} payments, "
-            "each applied once"
-            if result.exact else "MISMATCH: " + "; ".join(result.problems)
-        )
-        if self._rich is not None:
-            from rich.table import Table
-
-            table = Table(title="msgpatterns demo: order-status pipeline")
-            table.add_column("what")
-            table.add_column("count", justify="right")
-            for name, value in result.summary.items():
-                table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
-            self._rich.print(table)
-            for line in dead:
-                self._rich.print(f"  dead letter: {line}", markup=False, highlight=False)
-            style = "bold green" if result.exact else "bold red"
-            self._rich.print(f"[{style}]Final state {verdict}[/{style}]")
-            return
-        width = max(len(k) for k in result.summary)
-        for name, value in result.summary.items():
-            self.print(f"{name:<{width}}  {value}")
-        for line in dead:
-            self.print(f"  dead letter: {line}")
-        self.print(f"Final state {verdict}")

@@ -1,0 +1,582 @@
+"""NatsJetStreamBroker: the Broker protocol on NATS JetStream pull consumers (nats-py).
+
+Names, for a topic ``T`` (a NATS subject) and a consumer group ``G``:
+
+* stream ``stream_name(T)`` holds three kinds of subject: ``T`` (what producers
+  publish), ``T.__retry.G`` (redeliveries meant for ``G`` only) and ``T.__dlq`` (dead
+  letters of every group, each carrying the full record).
+* durable pull consumers ``G`` (filter ``T``) and ``G__retry`` (filter ``T.__retry.G``),
+  with explicit acks, ``ack_wait = visibility_timeout`` and unlimited deliveries: the
+  :class:`~msgpatterns.RetryPolicy` decides when a message becomes a dead letter.
+
+Guarantees:
+
+* At least once: a delivery not acked within ``visibility_timeout`` (its consumer died)
+  is redelivered by the server to another member of the group, and counts as an attempt
+  (the stream's delivery count).
+* ``nack(delay)`` publishes a copy with the message's current headers, the next attempt
+  number and its due time to ``T.__retry.G`` (confirmed by the server), then acks the
+  original: a crash between the two gives a duplicate, never a loss. A copy fetched
+  before it is due is handed back with a native delayed NAK, never run early.
+* ``message.id`` is the publisher's id (the library's id header, also sent as
+  ``Nats-Msg-Id`` so JetStream drops a re-sent publish within its duplicate window),
+  or ``"<stream>:<sequence>"`` for a foreign message without one: stable across
+  redeliveries and retries, unique across messages.
+* After :meth:`close` every operation raises :class:`~msgpatterns.errors.BrokerClosed`
+  and the adapter never reconnects; queued acks are flushed to the server first.
+
+nats-py is asyncio-only: the adapter runs one event loop on a private I/O thread and
+every call waits for its result there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Collection, Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from msgpatterns import headers as h
+from msgpatterns._extras import require
+from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._batch import failed, outgoing
+from msgpatterns.brokers._dlq import selected
+from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, ConfigurationError
+from msgpatterns.message import Message
+
+nats = require("nats", "nats")
+from nats.js import api as js_api  # noqa: E402 - after the extra check
+from nats.js import errors as js_errors  # noqa: E402
+
+__all__ = ["NatsJetStreamBroker"]
+
+log = logging.getLogger("msgpatterns.brokers.nats")
+
+T = TypeVar("T")
+
+#: Header marking a retry copy whose first delivery only parks it until it is due.
+_PARKED = h.PREFIX + "parked"
+_SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
+_DROP = ("Nats-Msg-Id", "Nats-Expected-Stream", "Nats-Expected-Last-Sequence")
+
+
+@dataclass(slots=True)
+class _Probe:
+    """A retry consumer read with ``no_wait`` pulls answered on a private inbox."""
+
+    request: str
+    inbox: str
+    sub: Any
+
+
+@dataclass(slots=True)
+class _Receipt:
+    msg: Any  # nats.aio.msg.Msg
+    topic: str
+    group: str
+
+
+def _safe_name(text: str) -> str:
+    """A JetStream stream or consumer name for ``text``: readable, and collision-free
+    (a short digest is added whenever characters had to be replaced)."""
+    cleaned = _NAME_UNSAFE.sub("_", text)
+    if cleaned != text or len(cleaned) > 200:
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        cleaned = f"{cleaned[:180]}-{digest}"
+    return cleaned
+
+
+class NatsJetStreamBroker:
+    """The :class:`~msgpatterns.brokers.base.Broker` protocol on NATS JetStream.
+
+    Args:
+        url: ``nats://host:port`` (comma-separated for a cluster) or a list of them.
+        visibility_timeout: seconds a delivery may stay unacked before the server gives
+            it to another consumer of the group (JetStream's ``ack_wait``).
+        connect_timeout: seconds to wait for the server when connecting.
+        max_age: seconds the stream keeps messages (None: until its limits say so).
+        replicas: stream replicas (1 for a single server).
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = "nats://127.0.0.1:4222",
+        *,
+        visibility_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        max_age: float | None = None,
+        replicas: int = 1,
+        name: str | None = None,
+    ) -> None:
+        if visibility_timeout <= 0:
+            raise ConfigurationError("visibility_timeout must be positive")
+        self.servers = [url] if isinstance(url, str) else list(url)
+        self.visibility_timeout = float(visibility_timeout)
+        self.max_age = max_age
+        self.replicas = replicas
+        self.name = name or f"msgpatterns-{uuid.uuid4().hex[:8]}"
+        self._closed = False
+        self._lock = threading.Lock()
+        self._streams: set[str] = set()
+        self._subs: dict[tuple[str, str], Any] = {}
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"{self.name}-io", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._nc = self._run(self._connect(connect_timeout), connect_timeout + 5)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._js = self._nc.jetstream()
+
+    # -- names ------------------------------------------------------------------------
+
+    @staticmethod
+    def stream_name(topic: str) -> str:
+        """The JetStream stream that holds ``topic``, its retries and dead letters."""
+        return _safe_name(topic)
+
+    @staticmethod
+    def retry_subject(topic: str, group: str) -> str:
+        """The subject of ``group``'s redeliveries of ``topic``."""
+        return f"{topic}.__retry.{_safe_name(group)}"
+
+    @staticmethod
+    def dead_letter_subject(topic: str) -> str:
+        """The subject of ``topic``'s dead letters."""
+        return f"{topic}.__dlq"
+
+    # -- Broker protocol ----------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.time()
+
+    def publish(self, topic: str, body: Any, *, key: str | None = None,
+                headers: Mapping[str, str] | None = None) -> str:
+        """Publish to ``topic`` (confirmed by the server); returns the message id."""
+        message_id = uuid.uuid4().hex
+        wire = codec.wire_headers(headers, message_id=message_id, key=key)
+        self._run(self._publish(topic, topic, body_bytes(body), wire, message_id))
+        return message_id
+
+    def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
+        """Publish ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
+        and headers) to ``topic`` all at once and await every PubAck together; returns
+        the message ids in order, as :meth:`publish` would.
+
+        Not atomic: each message is acknowledged by the stream on its own. If any is
+        not, :class:`~msgpatterns.brokers.PartialPublish` says which were (those are
+        stored; the others may or may not be). Each carries its id as ``Nats-Msg-Id``,
+        so re-publishing within the stream's duplicate window stores it once."""
+        batch = []
+        for item in outgoing(items):
+            message_id = uuid.uuid4().hex
+            batch.append((message_id, body_bytes(item.body),
+                          codec.wire_headers(item.headers, message_id=message_id,
+                                             key=item.key)))
+        results = self._run(self._publish_all(topic, batch))
+        ids = [mid if ok is None else None for (mid, _, _), ok in zip(batch, results,
+                                                                      strict=True)]
+        errors = [e for e in results if e is not None]
+        if errors:
+            raise failed(topic, ids, errors[0]) from errors[0]
+        return [mid for mid, _, _ in batch]
+
+    def subscribe(self, topic: str, group: str) -> None:
+        """Create ``group``'s consumers on ``topic`` now (a fetch does it otherwise)."""
+        self._run(self._subscriptions(topic, group))
+
+    def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
+              timeout: float = 0.0) -> list[Message]:
+        """Up to ``max_messages`` deliveries: due retries first, then new messages
+        (waiting up to ``timeout`` seconds)."""
+        if isinstance(topics, str):
+            topics = [topics]
+        return self._run(self._fetch(list(topics), group, max_messages, timeout),
+                         timeout + 30)
+
+    def ack(self, message: Message) -> None:
+        """Acknowledge; the ack is sent on the I/O thread without waiting (a lost ack
+        means a redelivery, never a loss). :meth:`close` flushes what is queued."""
+        r = self._receipt(message)
+        self._submit(r.msg.ack())
+
+    def nack(self, message: Message, delay: float = 0.0) -> None:
+        """Redeliver after ``delay`` seconds, to this group only, with ``attempt + 1``,
+        the original payload and the message's headers as they are now."""
+        self._redeliver(message, delay, None)
+
+    def dead_letter(self, message: Message, record: DeadLetter) -> None:
+        """Publish the record to ``T.__dlq`` (confirmed), then ack the delivery."""
+        r = self._receipt(message)
+        self._run(self._publish(
+            r.topic, self.dead_letter_subject(r.topic), codec.dead_letter_body(record),
+            codec.dead_letter_headers(record), None,
+        ))
+        self._submit(r.msg.ack())
+
+    def close(self) -> None:
+        """Flush queued acks, then close the connection and the I/O thread. Idempotent;
+        afterwards every operation raises BrokerClosed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+            fut.result(timeout=10)
+        except Exception as exc:
+            raise BrokerError(f"closing {self!r} failed: {exc}") from exc
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> NatsJetStreamBroker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- dead-letter admin ----------------------------------------------------------------
+
+    def list_dead_letters(self, topic: str, group: str | None = None, *,
+                          limit: int | None = None) -> list[DeadLetter]:
+        """Dead letters of ``topic`` (of ``group``, or all groups), oldest first."""
+        out = [r for r in self._run(self._dead_letters(topic)) if selected(r, group, None)]
+        return out if limit is None else out[:limit]
+
+    def replay_dead_letters(self, topic: str, group: str | None = None,
+                            ids: Collection[str] | None = None, *,
+                            to_topic: bool = False) -> int:
+        """Send dead letters back with attempts reset; each is deleted from the stream
+        only after its copy was confirmed."""
+        count = 0
+        for record in self._run(self._dead_letters(topic)):
+            if not selected(record, group, ids):
+                continue
+            owner = record.group or group
+            if not to_topic and not owner:
+                raise ConfigurationError(f"dead letter {record.id} has no group; pass group=")
+            subject = topic if to_topic else self.retry_subject(topic, owner or "")
+            wire = codec.replay_headers(record, group=None if to_topic else owner)
+            self._run(self._publish(topic, subject, body_bytes(record.message.raw_body),
+                                    wire, None))
+            self._run(self._delete(topic, int(record.extra["dlq_seq"])))
+            count += 1
+        return count
+
+    def purge_dead_letters(self, topic: str, group: str | None = None,
+                           ids: Collection[str] | None = None) -> int:
+        """Delete dead letters; returns how many."""
+        doomed = [int(r.extra["dlq_seq"]) for r in self._run(self._dead_letters(topic))
+                  if selected(r, group, ids)]
+        for seq in doomed:
+            self._run(self._delete(topic, seq))
+        return len(doomed)
+
+    # -- the I/O thread -------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        """Run ``coro`` on the I/O loop and wait for it; client errors become
+        BrokerError subclasses."""
+        if self._closed:
+            coro.close()
+            raise BrokerClosed(f"{self!r} is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except BrokerError:
+            raise
+        except (nats.errors.NoServersError, nats.errors.ConnectionClosedError,
+                nats.errors.TimeoutError, OSError) as exc:
+            if self._closed:
+                raise BrokerClosed(f"{self!r} is closed") from exc
+            raise BrokerUnavailable(f"NATS at {self._where()} unavailable: {exc!r}") from exc
+        except nats.errors.Error as exc:
+            raise BrokerError(f"NATS operation failed: {exc!r}") from exc
+
+    def _submit(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Start ``coro`` on the I/O loop without waiting (its failure is logged)."""
+        if self._closed:
+            coro.close()
+            raise BrokerClosed(f"{self!r} is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+
+    def _forget(self, future: Any) -> None:
+        with self._lock:
+            self._pending.discard(future)
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("%s: an ack was not sent (the message will be redelivered): %r",
+                        self.name, future.exception())
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    async def _connect(self, timeout: float) -> Any:
+        try:
+            return await nats.connect(
+                servers=self.servers, name=self.name, connect_timeout=timeout,
+                allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=self._on_error, disconnected_cb=self._on_disconnect,
+            )
+        except Exception as exc:
+            raise BrokerUnavailable(
+                f"cannot connect to NATS at {self._where()}: {exc!r}"
+            ) from exc
+
+    async def _on_error(self, error: Exception) -> None:
+        log.warning("%s: NATS connection error: %r", self.name, error)
+
+    async def _on_disconnect(self) -> None:
+        if not self._closed:
+            log.warning("%s: disconnected from NATS; reconnecting", self.name)
+
+    async def _shutdown(self) -> None:
+        pending = [asyncio.wrap_future(f) for f in list(self._pending)]
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+        if not self._nc.is_closed:
+            await self._nc.flush(timeout=5)
+            await self._nc.close()
+
+    # -- internals (on the I/O loop) ------------------------------------------------------
+
+    async def _stream(self, topic: str) -> str:
+        if not _SUBJECT.match(topic) or ".__" in topic:
+            raise ConfigurationError(
+                f"topic {topic!r} is not a plain NATS subject (tokens of letters, digits, "
+                "'-' and '_' separated by dots, no wildcards, no '.__' part)"
+            )
+        name = self.stream_name(topic)
+        if name in self._streams:
+            return name
+        subjects = [topic, f"{topic}.__retry.*", self.dead_letter_subject(topic)]
+        config = js_api.StreamConfig(
+            name=name, subjects=subjects, num_replicas=self.replicas,
+            max_age=self.max_age, storage=js_api.StorageType.FILE,
+        )
+        try:
+            await self._js.add_stream(config)
+        except js_errors.BadRequestError as exc:
+            # Exists with another config: keep it, as long as it holds our subjects.
+            info = await self._js.stream_info(name)
+            missing = set(subjects) - set(info.config.subjects or [])
+            if missing:
+                raise BrokerError(
+                    f"stream {name} exists without subjects {sorted(missing)}"
+                ) from exc
+        self._streams.add(name)
+        return name
+
+    async def _subscriptions(self, topic: str, group: str) -> tuple[Any, Any]:
+        slot = (topic, group)
+        subs = self._subs.get(slot)
+        if subs is None:
+            stream = await self._stream(topic)
+            durable = _safe_name(group)
+            main = await self._js.pull_subscribe(
+                topic, durable=durable, stream=stream, config=self._consumer_config(topic),
+            )
+            retry_subject = self.retry_subject(topic, group)
+            retry_durable = f"{durable}__retry"
+            await self._js.add_consumer(stream, self._consumer_config(retry_subject),
+                                        durable_name=retry_durable)
+            inbox = self._nc.new_inbox()
+            probe = _Probe(
+                request=f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{retry_durable}",
+                inbox=inbox, sub=await self._nc.subscribe(inbox),
+            )
+            subs = self._subs[slot] = (probe, main)
+        return subs
+
+    def _consumer_config(self, subject: str) -> Any:
+        return js_api.ConsumerConfig(
+            filter_subject=subject,
+            ack_policy=js_api.AckPolicy.EXPLICIT,
+            deliver_policy=js_api.DeliverPolicy.ALL,
+            ack_wait=self.visibility_timeout, max_deliver=-1, max_ack_pending=-1,
+        )
+
+    async def _probe(self, probe: _Probe, limit: int) -> list[Any]:
+        """What the retry consumer has ready now, without waiting: a ``no_wait`` pull
+        (no expiry), answered at once with the messages or a 404/408 status."""
+        request = json.dumps({"batch": limit, "no_wait": True}).encode()
+        await self._nc.publish(probe.request, request, reply=probe.inbox)
+        msgs: list[Any] = []
+        while len(msgs) < limit:
+            try:
+                msg = await probe.sub.next_msg(timeout=5)
+            except (TimeoutError, nats.errors.TimeoutError):
+                break  # a late answer waits in the inbox for the next probe
+            if msg.headers and msg.headers.get("Status"):
+                break  # 404 no messages / 408 request expired: the request is over
+            msgs.append(msg)
+        return msgs
+
+    async def _fetch(self, topics: list[str], group: str, limit: int,
+                     timeout: float) -> list[Message]:
+        out: list[Message] = []
+        subs = [(topic, await self._subscriptions(topic, group)) for topic in topics]
+        # Due retries first, without waiting; then new messages.
+        for topic, (probe, _) in subs:
+            if len(out) < limit:
+                out.extend(await self._messages(
+                    await self._probe(probe, limit - len(out)), topic, group))
+        give_up = time.monotonic() + max(timeout, 0.01)
+        for topic, (_, main) in subs:
+            if len(out) >= limit:
+                break
+            # Wait only while nothing was found; then just take what is there.
+            wait = 0.01 if out else max(0.01, give_up - time.monotonic())
+            try:
+                msgs = await main.fetch(limit - len(out), timeout=wait)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            out.extend(await self._messages(msgs, topic, group))
+        return out
+
+    async def _messages(self, msgs: list[Any], topic: str, group: str) -> list[Message]:
+        out = []
+        for msg in msgs:
+            message = await self._message(msg, topic, group)
+            if message is not None:
+                out.append(message)
+        return out
+
+    async def _message(self, msg: Any, topic: str, group: str) -> Message | None:
+        """The Message for ``msg``; None when it was handed back (not due yet) or
+        dead-lettered (unreadable)."""
+        meta = msg.metadata
+        stream_seq = meta.sequence.stream
+        t = codec.split_transport(msg.headers or {}, drop=_DROP)
+        parked = 1 if t.headers.pop(_PARKED, None) else 0
+        if t.due_at is not None:
+            left = t.due_at - time.time()
+            if left > 0:
+                await msg.nak(delay=left)  # the server brings it back when due
+                return None
+        redeliveries = max(0, meta.num_delivered - 1 - parked)
+        published = meta.timestamp.timestamp() if meta.timestamp is not None else None
+        message = Message(
+            msg.data,
+            id=t.id or f"{meta.stream}:{stream_seq}",
+            key=t.key,
+            topic=topic,
+            headers=t.headers,
+            timestamp=t.timestamp if t.timestamp is not None else published,
+            attempt=codec.attempt_of(t.headers, redeliveries),
+            offset=stream_seq,
+        )
+        message.receipt = _Receipt(msg, topic, group)
+        return message
+
+    def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
+        r = self._receipt(message)
+        due = time.time() + delay if delay > 0 else None
+        wire = codec.redelivery_headers(message, group=r.group, due_at=due, attempt=attempt)
+        if due is not None:
+            wire[_PARKED] = "1"
+        self._run(self._publish(r.topic, self.retry_subject(r.topic, r.group),
+                                body_bytes(message.raw_body), wire, None))
+        self._submit(r.msg.ack())
+
+    async def _publish(self, topic: str, subject: str, payload: bytes,
+                       headers: Mapping[str, str], dedup_id: str | None) -> None:
+        stream = await self._stream(topic)
+        wire = dict(headers)
+        if dedup_id is not None:
+            wire["Nats-Msg-Id"] = dedup_id
+        await self._js.publish(subject, payload, stream=stream, headers=wire)
+
+    def has_topic(self, topic: str) -> bool:
+        """True when ``topic``'s stream exists (asking never creates it)."""
+        return self._run(self._existing(topic)) is not None
+
+    async def _existing(self, topic: str) -> str | None:
+        name = self.stream_name(topic)
+        if name in self._streams:
+            return name
+        try:
+            await self._js.stream_info(name)
+        except js_errors.NotFoundError:
+            return None
+        return name
+
+    async def _publish_all(self, topic: str, batch: Sequence[tuple[str, bytes,
+                           Mapping[str, str]]]) -> list[BaseException | None]:
+        """Publish every message, then await the PubAcks together: each one's failure,
+        or None once the stream stored it."""
+        await self._stream(topic)
+        outcomes = await asyncio.gather(
+            *(self._publish(topic, topic, payload, wire, message_id)
+              for message_id, payload, wire in batch),
+            return_exceptions=True)
+        return [o if isinstance(o, BaseException) else None for o in outcomes]
+
+    async def _dead_letters(self, topic: str) -> list[DeadLetter]:
+        stream = await self._existing(topic)
+        if stream is None:  # an admin read never creates a stream
+            return []
+        sub = await self._js.pull_subscribe(
+            self.dead_letter_subject(topic), stream=stream,
+            config=js_api.ConsumerConfig(
+                ack_policy=js_api.AckPolicy.NONE, deliver_policy=js_api.DeliverPolicy.ALL,
+                inactive_threshold=30.0,
+            ),
+        )
+        records: list[DeadLetter] = []
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(256, timeout=0.2)
+                except (TimeoutError, nats.errors.TimeoutError):
+                    break
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    records.append(codec.read_dead_letter(
+                        msg.data, msg.headers or {}, fallback_id=f"{stream}:{seq}",
+                        fallback_topic=topic, location={"dlq_seq": str(seq)},
+                    ))
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+            with contextlib.suppress(nats.errors.Error):
+                await self._js.delete_consumer(stream, sub._consumer)
+        return records
+
+    async def _delete(self, topic: str, seq: int) -> None:
+        await self._js.delete_msg(self.stream_name(topic), seq)
+
+    def _where(self) -> str:
+        return ",".join(self.servers)
+
+    @staticmethod
+    def _receipt(message: Message) -> _Receipt:
+        receipt = message.receipt
+        if not isinstance(receipt, _Receipt):
+            raise ConfigurationError(f"{message!r} was not fetched from a NatsJetStreamBroker")
+        return receipt
+
+    def __repr__(self) -> str:
+        return f"NatsJetStreamBroker({self._where()!r}, name={self.name!r})"

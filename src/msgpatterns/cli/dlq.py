@@ -1,0 +1,356 @@
+"""``msgpatterns dlq list|show|replay|purge``: dead letters of any broker adapter.
+
+The broker comes from the URL scheme: ``redis://`` (also ``rediss://``, ``unix://``)
+for Redis Streams, ``amqp://`` / ``amqps://`` for RabbitMQ, ``kafka://host:port`` for
+Kafka, ``nats://host:port`` (or ``tls://``) for NATS JetStream. ``--topic`` names the
+topic (stream, exchange, subject); ``--group`` the consumer group (required for
+RabbitMQ, whose dead letters live in per-group queues).
+
+Replay sends each message back with its attempt count reset - to the group that
+dead-lettered it, or with ``--to-topic`` to the topic for every group - and removes it
+from the dead-letter queue only after the broker confirmed the replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from msgpatterns.brokers._dlq import DeadLetterAdmin
+from msgpatterns.cli._options import (
+    CONNECT_TIMEOUT,
+    Subcommands,
+    non_empty,
+    positive_int,
+    redact_url,
+)
+from msgpatterns.deadletter import DeadLetter
+from msgpatterns.errors import ConfigurationError
+
+__all__ = ["open_admin", "register"]
+
+#: Where librdkafka's own log lines go (off stderr unless ``msgpatterns --debug``).
+_kafka_log = logging.getLogger("msgpatterns.cli.kafka")
+
+
+@dataclass
+class Opened:
+    """A dead-letter admin opened by the command, with what only the command needs."""
+
+    admin: DeadLetterAdmin
+    #: True when the broker knows ``topic`` (for ``group``) or its dead-letter store:
+    #: False means a mistyped name rather than an empty dead-letter store.
+    knows: Callable[[str, str | None], bool]
+    close: Callable[[], None]
+
+
+def _query(url: str) -> Mapping[str, list[str]]:
+    return parse_qs(urlsplit(url).query)
+
+
+def _redis(url: str) -> Opened:
+    """Redis Streams, on a client that gives up after CONNECT_TIMEOUT and does not
+    retry (the URL's own ``socket_timeout=...`` options win). One PING first: an
+    unreachable server or a refused login fails once, before the adapter (which
+    retries a lost connection) is involved."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        client.ping()
+        broker = RedisStreamsBroker(client)
+    except BaseException:
+        client.close()
+        raise
+
+    def knows(topic: str, group: str | None) -> bool:
+        return bool(client.exists(topic, broker.dead_letter_stream(topic)))
+
+    def close() -> None:
+        try:
+            broker.close()
+        finally:
+            client.close()
+
+    return Opened(broker, knows, close)
+
+
+def _rabbitmq(url: str) -> Opened:
+    """RabbitMQ, with CONNECT_TIMEOUT for the socket, the handshake and a blocked
+    connection, one attempt per connect (the URL's own ``connection_attempts=...``
+    etc. win), and CONNECT_TIMEOUT for the adapter's connect."""
+    import pika
+
+    from msgpatterns.brokers.rabbitmq import RabbitMQBroker
+
+    params = pika.URLParameters(url)
+    given = _query(url)
+    for option, value in (("connection_attempts", 1), ("socket_timeout", CONNECT_TIMEOUT),
+                          ("stack_timeout", CONNECT_TIMEOUT),
+                          ("blocked_connection_timeout", CONNECT_TIMEOUT)):
+        if option not in given:
+            setattr(params, option, value)
+    broker = RabbitMQBroker(params, connect_timeout=CONNECT_TIMEOUT)
+
+    def knows(topic: str, group: str | None) -> bool:
+        queue = broker.queue_name(topic, group or "")
+        conn = pika.BlockingConnection(params)
+        try:
+            for name in (queue, broker.dead_letter_queue_name(queue)):
+                channel = conn.channel()
+                try:
+                    channel.queue_declare(name, passive=True)
+                    return True
+                except pika.exceptions.ChannelClosedByBroker as exc:
+                    if exc.reply_code != 404:
+                        raise
+            return False
+        finally:
+            conn.close()
+
+    return Opened(broker, knows, broker.close)
+
+
+def _kafka(url: str) -> Opened:
+    """Kafka, with CONNECT_TIMEOUT for connections, requests and delivery reports, and
+    librdkafka's log routed to logging (silent unless --debug)."""
+    from confluent_kafka.admin import AdminClient
+
+    from msgpatterns.brokers.kafka import KafkaBroker
+
+    timeout_ms = int(CONNECT_TIMEOUT * 1000)
+    config: dict[str, Any] = {
+        "bootstrap.servers": urlsplit(url).netloc,
+        "socket.connection.setup.timeout.ms": timeout_ms,
+        "socket.timeout.ms": timeout_ms,
+        "logger": _kafka_log,
+    }
+    broker = KafkaBroker(config, delivery_timeout=CONNECT_TIMEOUT)
+
+    def knows(topic: str, group: str | None) -> bool:
+        # every topic's metadata: asking for one topic could auto-create it
+        names = AdminClient(config).list_topics(timeout=CONNECT_TIMEOUT).topics
+        return topic in names or broker.dead_letter_topic(topic) in names
+
+    return Opened(broker, knows, broker.close)
+
+
+def _nats(url: str) -> Opened:
+    """NATS JetStream, giving up on an unreachable server after CONNECT_TIMEOUT."""
+    from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
+
+    broker = NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT)
+    return Opened(broker, lambda topic, group: broker.has_topic(topic), broker.close)
+
+
+_SCHEMES: dict[str, Callable[[str], Opened]] = {
+    "redis": _redis, "rediss": _redis, "unix": _redis,
+    "amqp": _rabbitmq, "amqps": _rabbitmq,
+    "kafka": _kafka,
+    "nats": _nats, "tls": _nats,
+}
+
+
+def _scheme(url: str) -> str:
+    """The URL's broker scheme; a ConfigurationError (a usage error) for any other."""
+    scheme = urlsplit(url).scheme
+    if scheme not in _SCHEMES:
+        known = ", ".join(f"{s}://" for s in _SCHEMES)
+        raise ConfigurationError(
+            f"unknown broker URL scheme {scheme!r} in {redact_url(url)}; use one of {known}"
+        )
+    return scheme
+
+
+def _open(url: str) -> Opened:
+    return _SCHEMES[_scheme(url)](url)
+
+
+def open_admin(url: str) -> DeadLetterAdmin:
+    """The broker adapter for ``url``'s scheme, as a dead-letter admin (with the
+    command's connect timeouts)."""
+    return _open(url).admin
+
+
+def register(subparsers: Subcommands) -> None:
+    """Add ``dlq`` and its actions to the ``msgpatterns`` command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("url", help="redis://..., amqp://..., kafka://host:port or "
+                                    "nats://host:port")
+    common.add_argument("--topic", required=True, type=non_empty,
+                        help="topic, stream or exchange")
+    common.add_argument("--group", type=non_empty,
+                        help="consumer group (required for RabbitMQ)")
+
+    dlq = subparsers.add_parser("dlq", help="inspect, replay and purge dead letters")
+    actions = dlq.add_subparsers(dest="dlq_action", metavar="ACTION")
+    actions.required = True
+
+    listing = actions.add_parser("list", parents=[common], help="list dead letters")
+    listing.add_argument("--limit", type=positive_int, default=None,
+                         help="list at most this many")
+    listing.add_argument("--json", action="store_true", help="one JSON record per line")
+    listing.set_defaults(func=_list)
+
+    show = actions.add_parser("show", parents=[common], help="show dead letters in full")
+    show.add_argument("ids", nargs="+", metavar="ID", help="message ids")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=_show, trailing="ids")
+
+    replay = actions.add_parser("replay", parents=[common],
+                                help="send dead letters back with attempts reset")
+    replay.add_argument("ids", nargs="*", metavar="ID", help="message ids")
+    replay.add_argument("--all", action="store_true", help="every dead letter")
+    replay.add_argument("--to-topic", action="store_true",
+                        help="publish to the topic for every group, not only the group "
+                             "that dead-lettered it")
+    replay.set_defaults(func=_replay, trailing="ids")
+
+    purge = actions.add_parser("purge", parents=[common], help="delete dead letters")
+    purge.add_argument("ids", nargs="*", metavar="ID", help="message ids")
+    purge.add_argument("--all", action="store_true", help="every dead letter")
+    purge.set_defaults(func=_purge, trailing="ids")
+
+
+def _run(args: argparse.Namespace, action: Callable[[Opened], int]) -> int:
+    """Open the admin for ``args.url``, run ``action``, close. Failures propagate to
+    the command's one-line error report (:func:`msgpatterns.cli.explain`)."""
+    if _scheme(args.url).startswith("amqp") and not args.group:
+        raise ConfigurationError("--group is required for amqp:// URLs "
+                                 "(RabbitMQ keeps dead letters per consumer group)")
+    opened = _open(args.url)
+    try:
+        return action(opened)
+    finally:
+        opened.close()
+
+
+def _warn_if_unknown(opened: Opened, args: argparse.Namespace) -> None:
+    """Found nothing: say so on stderr when the broker does not know the topic (nor a
+    dead-letter store for it) at all, i.e. a mistyped --topic or --group."""
+    if opened.knows(args.topic, args.group):
+        return
+    of_group = f" for group {args.group!r}" if args.group else ""
+    print(f"msgpatterns dlq: warning: no topic {args.topic!r}{of_group} and no "
+          f"dead-letter store for it at {redact_url(args.url)}: check --topic and --group",
+          file=sys.stderr)
+
+
+def _when(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
+
+
+def _summary(record: DeadLetter) -> str:
+    return (f"{record.id}  attempts={record.attempts}  last_failed={_when(record.last_failed_at)}"
+            f"  group={record.group or '-'}  {record.error_type}: {record.reason}")
+
+
+def _body_text(body: Any) -> str:
+    raw = body if isinstance(body, bytes) else str(body).encode()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return repr(raw[:2000])
+    return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+def _details(record: DeadLetter) -> str:
+    m = record.message
+    lines = [
+        f"id:            {record.id}",
+        f"topic:         {m.topic}",
+        f"group:         {record.group or '-'}",
+        f"key:           {m.key}",
+        f"attempts:      {record.attempts}",
+        f"first failed:  {_when(record.first_failed_at)}",
+        f"last failed:   {_when(record.last_failed_at)}",
+        f"error:         {record.error_type}: {record.error_message}",
+        f"reason:        {record.reason}",
+        f"headers:       {json.dumps(m.headers, sort_keys=True)}",
+        f"body:          {_body_text(m.raw_body)}",
+        "traceback:",
+        *("  " + line for line in (record.traceback or "-").rstrip().splitlines()),
+    ]
+    return "\n".join(lines)
+
+
+def _list(args: argparse.Namespace) -> int:
+    def action(opened: Opened) -> int:
+        records = opened.admin.list_dead_letters(args.topic, args.group, limit=args.limit)
+        for record in records:
+            print(record.to_json() if args.json else _summary(record))
+        if not args.json:
+            print(f"{len(records)} dead letter(s)")
+        if not records:
+            _warn_if_unknown(opened, args)
+        return 0
+
+    return _run(args, action)
+
+
+def _show(args: argparse.Namespace) -> int:
+    def action(opened: Opened) -> int:
+        wanted = set(args.ids)
+        found = [r for r in opened.admin.list_dead_letters(args.topic, args.group)
+                 if r.id in wanted]
+        for record in found:
+            print(record.to_json() if args.json else _details(record) + "\n")
+        missing = wanted - {r.id for r in found}
+        if missing:
+            print(f"msgpatterns dlq: not found: {', '.join(sorted(missing))}",
+                  file=sys.stderr)
+            if not found:
+                _warn_if_unknown(opened, args)
+            return 1
+        return 0
+
+    return _run(args, action)
+
+
+def _selection(args: argparse.Namespace) -> set[str] | None:
+    """The ids to act on (None: every dead letter); a usage error unless exactly one
+    of ids and --all is given."""
+    if args.all == bool(args.ids):
+        raise ConfigurationError("name the message ids or pass --all (not both)")
+    return None if args.all else set(args.ids)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    ids = _selection(args)
+
+    def action(opened: Opened) -> int:
+        count = opened.admin.replay_dead_letters(args.topic, args.group, ids,
+                                                 to_topic=args.to_topic)
+        print(f"replayed {count} dead letter(s)")
+        if not count:
+            _warn_if_unknown(opened, args)
+        return 0 if count or args.all else 1
+
+    return _run(args, action)
+
+
+def _purge(args: argparse.Namespace) -> int:
+    ids = _selection(args)
+
+    def action(opened: Opened) -> int:
+        count = opened.admin.purge_dead_letters(args.topic, args.group, ids)
+        print(f"purged {count} dead letter(s)")
+        if not count:
+            _warn_if_unknown(opened, args)
+        return 0 if count or args.all else 1
+
+    return _run(args, action)
