@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from msgpatterns.spark.demo import AppendRows
+from msgpatterns.demo.spark import AppendRows
 from msgpatterns.spark.local import drop_last_commit
 
 if TYPE_CHECKING:

@@ -16,6 +16,7 @@ from spark_streams import (
     events_table,
 )
 
+from msgpatterns.demo.spark import AppendRows
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency import (
     CheckerSpec,
@@ -25,7 +26,6 @@ from msgpatterns.idempotency import (
     checker_from_spec,
 )
 from msgpatterns.spark import DedupStats, dedup_rows
-from msgpatterns.spark.demo import AppendRows
 from msgpatterns.testing import services
 
 if TYPE_CHECKING:

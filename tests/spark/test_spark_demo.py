@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 
-from msgpatterns.spark.demo import check, plan_feed, run_spark_demo
+from msgpatterns.demo.spark import check, plan_feed, run_spark_demo
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
 
 from msgpatterns.errors import ConfigurationError
+from msgpatterns.idempotency import StorePolicy
 from msgpatterns.spark import BatchLedger
 
 
@@ -93,4 +95,74 @@ def test_an_engine_can_be_shared(sqlite_url: str, unique: str) -> None:
     with engine.connect() as conn:
         rows = conn.execute(sa.text(f"SELECT sink_id, query_id, batch_id FROM ledger_{unique}"))
         assert rows.all() == [("orders", "q", 3)]
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_ledger_on_a_user_engine_survives_backend_kills(postgres_url: str, unique: str) -> None:
+    """Hole 12 (BatchLedger): the ledger switched the user's pooled connections to
+    AUTOCOMMIT per checkout; when PostgreSQL dropped sessions, resetting the isolation
+    level at check-in failed and connections never went back to the pool, until every
+    thread blocked in the pool (the same load hung for minutes). Now 4 threads recording
+    and reading 30 batches each survive 12 kills of our own backends, and the pool ends
+    with nothing checked out."""
+    app = f"mp-ledger-{unique}"
+    engine = sa.create_engine(postgres_url, pool_size=2, max_overflow=0, pool_timeout=2,
+                              connect_args={"application_name": app})
+    admin = sa.create_engine(postgres_url, poolclass=sa.pool.NullPool)
+    ledger = BatchLedger(engine, table=f"ledger_{unique}",
+                         policy=StorePolicy(attempts=5, wait=0.01))
+    ledger.create_table()
+    errors: list[BaseException] = []
+
+    def kill_our_backends() -> None:
+        with admin.connect() as conn:
+            conn.execute(sa.text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = :app"), {"app": app})
+
+    def work(query: str) -> None:
+        try:
+            for batch in range(30):
+                assert ledger.record("orders", query, batch) is True
+                assert ledger.is_recorded("orders", query, batch)
+                assert ledger.last_batch("orders", query) == batch
+                if batch % 10 == 9:
+                    kill_our_backends()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(f"q{n}",), daemon=True) for n in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads), "threads blocked in the pool"
+        assert errors == []
+        assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS ledger_{unique}"))
+        admin.dispose()
+
+
+def test_a_ledger_leaves_the_user_engines_connections_untouched(sqlite_url: str) -> None:
+    """Hole 12 (BatchLedger): no isolation level is set on connections of an engine
+    the ledger did not create (it would have to be reset at check-in)."""
+    engine = sa.create_engine(sqlite_url, poolclass=sa.pool.QueuePool, pool_size=1)
+    levels: list[str] = []
+
+    @sa.event.listens_for(engine, "engine_connect")
+    def on_connect(conn: sa.Connection) -> None:
+        levels.append(conn.get_execution_options().get("isolation_level", "default"))
+
+    ledger = BatchLedger(engine, table="ledger_untouched")
+    assert ledger.record("orders", "q", 0)
+    assert ledger.is_recorded("orders", "q", 0)
+    assert ledger.last_batch("orders", "q") == 0
+    assert ledger.forget("orders") == 1
+    assert levels and set(levels) == {"default"}
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     engine.dispose()

@@ -27,6 +27,6 @@ def settle_messages(items: Iterable[object], error: BaseException | None) -> int
         try:
             if item.ack(error):
                 settled += 1
-        except Exception:
+        except BaseException:  # one failed ack must not strand the others
             log.exception("acking message %s after its batch failed", item.id)
     return settled

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from msgpatterns.batching.core import BatchQueue, ErrorHook
+from msgpatterns.batching.core import BatchQueue, ErrorHook, ListPolicy
 
 __all__ = ["BatchExecutor"]
 
@@ -17,17 +17,21 @@ class BatchExecutor(BatchQueue[T, list[T]]):
 
     A free worker takes whatever is queued, up to ``batch_size`` items. When the
     processor keeps up, each item goes out alone and at once; when it falls behind,
-    items pile up and the next batches grow (never past ``batch_size``).
+    items pile up and the next batches grow (never past ``batch_size``). Its policy
+    is :class:`~msgpatterns.batching.core.ListPolicy`: one channel, no wait.
 
     Args:
         name: prefix of the worker thread names (``name-0``, ``name-1``, ...).
         batch_size: most items per processor call.
-        processor: ``processor(items)``; an exception is logged, counted, passed to
+        processor: ``processor(items)``, a sync callable (an ``async def`` is
+            refused, naming :class:`msgpatterns.aio.AsyncBatchExecutor`); an
+            exception, even a ``SystemExit``, is logged, counted, passed to
             ``on_error`` and never stops the worker.
         threads: worker threads (batches run concurrently, in no particular order).
         queue_size: most items accepted and not processed yet (queued or running).
         ack_messages: ack the :class:`~msgpatterns.Message` items of each batch after
-            the processor returns, or with its exception when it raises.
+            the processor returns, or with its exception when it raises. Every item
+            must then be a Message: ``add`` raises ``TypeError`` for anything else.
         on_error: ``on_error(exception, items)`` after a processor call raised,
             before the messages are acked with the exception.
     """
@@ -43,16 +47,6 @@ class BatchExecutor(BatchQueue[T, list[T]]):
         *,
         on_error: ErrorHook[list[T]] | None = None,
     ) -> None:
-        super().__init__(
-            name,
-            processor=processor,
-            batch_size=batch_size,
-            capacity=queue_size,
-            threads=threads,
-            max_wait=0.0,
-            ack_messages=ack_messages,
-            on_error=on_error,
-        )
-
-    def _batch(self, index: int, items: list[T]) -> list[T]:
-        return items
+        super().__init__(name, ListPolicy(), processor=processor, batch_size=batch_size,
+                         capacity=queue_size, workers=threads, ack_messages=ack_messages,
+                         on_error=on_error)

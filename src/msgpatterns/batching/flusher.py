@@ -4,25 +4,45 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from msgpatterns.batching.core import BatchQueue, ErrorHook
-from msgpatterns.errors import ConfigurationError, seconds
+from msgpatterns.batching.core import BatchQueue, BatchState, ErrorHook, ListPolicy, duration
+from msgpatterns.errors import ConfigurationError
 
-__all__ = ["Flusher", "interval_seconds"]
+__all__ = ["FlushPolicy", "Flusher", "WithFlushInterval", "interval_seconds"]
 
 T = TypeVar("T")
 
 
 def interval_seconds(flush_interval: float | timedelta) -> float:
-    """``flush_interval`` in seconds; it must be positive."""
-    value = seconds(flush_interval)
+    """``flush_interval`` in seconds; it must be positive (ConfigurationError naming
+    ``flush_interval`` otherwise, for every form: float, int or timedelta)."""
+    value = duration("flush_interval", flush_interval)
     if not value or value <= 0:
         raise ConfigurationError(f"flush_interval must be positive, got {flush_interval!r}")
     return value
 
 
-class Flusher(BatchQueue[T, list[T]]):
+class FlushPolicy(ListPolicy[T]):
+    """One channel; a batch waits at most ``flush_interval`` (seconds or ``timedelta``,
+    positive) from its oldest item; the processor gets a list."""
+
+    def __init__(self, flush_interval: float | timedelta) -> None:
+        self.max_wait = interval_seconds(flush_interval)
+
+
+class WithFlushInterval:
+    """The ``flush_interval`` attribute of the flushers (sync and async): the seconds
+    a batch may wait to fill up, their policy's ``max_wait``."""
+
+    _state: BatchState[Any, Any]
+
+    @property
+    def flush_interval(self) -> float:
+        return self._state.policy.max_wait
+
+
+class Flusher(WithFlushInterval, BatchQueue[T, list[T]]):
     """Hands items to ``processor(list)`` in batches of ``batch_size``, or sooner when
     the oldest queued item has waited ``flush_interval`` seconds.
 
@@ -36,10 +56,13 @@ class Flusher(BatchQueue[T, list[T]]):
             ``timedelta``).
         queue_size: most items accepted and not processed yet (queued or running).
         threads: worker threads (batches run concurrently, in no particular order).
-        processor: ``processor(items)``; an exception is logged, counted, passed to
-            ``on_error`` and never stops the worker.
+        processor: ``processor(items)``, a sync callable (an ``async def`` is
+            refused, naming :class:`msgpatterns.aio.AsyncFlusher`); an exception, even
+            a ``SystemExit``, is logged, counted, passed to ``on_error`` and never
+            stops the worker.
         ack_messages: ack the :class:`~msgpatterns.Message` items of each batch after
-            the processor returns, or with its exception when it raises.
+            the processor returns, or with its exception when it raises. Every item
+            must then be a Message: ``add`` raises ``TypeError`` for anything else.
         on_error: ``on_error(exception, items)`` after a processor call raised,
             before the messages are acked with the exception.
     """
@@ -56,17 +79,6 @@ class Flusher(BatchQueue[T, list[T]]):
         *,
         on_error: ErrorHook[list[T]] | None = None,
     ) -> None:
-        self.flush_interval = interval_seconds(flush_interval)
-        super().__init__(
-            name,
-            processor=processor,
-            batch_size=batch_size,
-            capacity=queue_size,
-            threads=threads,
-            max_wait=self.flush_interval,
-            ack_messages=ack_messages,
-            on_error=on_error,
-        )
-
-    def _batch(self, index: int, items: list[T]) -> list[T]:
-        return items
+        super().__init__(name, FlushPolicy(flush_interval), processor=processor,
+                         batch_size=batch_size, capacity=queue_size, workers=threads,
+                         ack_messages=ack_messages, on_error=on_error)

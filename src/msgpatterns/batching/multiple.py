@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Generic, TypeVar
 
-from msgpatterns.batching.core import BatchQueue, Channel, ErrorHook
-from msgpatterns.batching.flusher import interval_seconds
+from msgpatterns._callables import require_sync_callable
+from msgpatterns.batching.core import BatchPolicy, BatchQueue, ErrorHook, count
+from msgpatterns.batching.flusher import WithFlushInterval, interval_seconds
 from msgpatterns.errors import ConfigurationError
 
-__all__ = ["Group", "MultipleQueueFlusher", "RouteError"]
+__all__ = ["Group", "MultipleQueueFlusher", "RoutePolicy", "RouteError"]
 
 T = TypeVar("T")
 
@@ -35,7 +36,37 @@ class Group(Generic[T]):
         return iter(self.items)
 
 
-class MultipleQueueFlusher(BatchQueue[T, Group[T]]):
+class RoutePolicy(BatchPolicy[T, Group[T]]):
+    """``channels`` channels picked by ``route(item) -> int`` (a sync callable); each
+    batch waits at most ``flush_interval`` from its oldest item; the processor gets a
+    :class:`Group` of one channel. ``where`` names the helper in errors."""
+
+    def __init__(
+        self, channels: int, route: Callable[[T], int], flush_interval: float | timedelta,
+        where: str,
+    ) -> None:
+        self.max_wait = interval_seconds(flush_interval)
+        self.channels = count("channels", channels)
+        require_sync_callable(route, what="route", where=where)
+        self.route = route
+
+    def channel_of(self, item: T, name: str) -> int:
+        chosen = self.route(item)
+        try:
+            index = operator.index(chosen)
+        except TypeError:
+            raise RouteError(f"{name}: route returned {chosen!r}, not an int") from None
+        if not 0 <= index < self.channels:
+            raise RouteError(
+                f"{name}: route returned channel {index}, outside 0..{self.channels - 1}"
+            )
+        return index
+
+    def batch(self, index: int, items: list[T]) -> Group[T]:
+        return Group(index, items)
+
+
+class MultipleQueueFlusher(WithFlushInterval, BatchQueue[T, Group[T]]):
     """A :class:`~msgpatterns.batching.Flusher` per channel sharing one pool of workers.
 
     ``route(item)`` picks the channel (a shard, a table); the processor receives a
@@ -53,12 +84,15 @@ class MultipleQueueFlusher(BatchQueue[T, Group[T]]):
         flush_interval: longest an item waits for its batch to fill (seconds or
             ``timedelta``).
         threads: worker threads shared by all channels.
-        route: ``route(item) -> int``; an index outside ``range(channels)`` makes
+        route: ``route(item) -> int``, a sync callable; an index outside ``range(channels)`` makes
             ``add`` raise :class:`RouteError` and the item is not accepted.
-        processor: ``processor(group)``; an exception is logged, counted, passed to
+        processor: ``processor(group)``, a sync callable (an ``async def`` is
+            refused, naming :class:`msgpatterns.aio.AsyncMultipleQueueFlusher`); an
+            exception, even a ``SystemExit``, is logged, counted, passed to
             ``on_error`` and never stops the worker.
         ack_messages: ack the :class:`~msgpatterns.Message` items of each group after
-            the processor returns, or with its exception when it raises.
+            the processor returns, or with its exception when it raises. Every item
+            must then be a Message: ``add`` raises ``TypeError`` for anything else.
         on_error: ``on_error(exception, group)`` after a processor call raised,
             before the messages are acked with the exception.
     """
@@ -77,37 +111,12 @@ class MultipleQueueFlusher(BatchQueue[T, Group[T]]):
         *,
         on_error: ErrorHook[Group[T]] | None = None,
     ) -> None:
-        self.flush_interval = interval_seconds(flush_interval)
-        self._route = route
-        super().__init__(
-            name,
-            processor=processor,
-            batch_size=batch_size,
-            capacity=queue_size,
-            threads=threads,
-            max_wait=self.flush_interval,
-            channels=channels,
-            ack_messages=ack_messages,
-            on_error=on_error,
-        )
+        policy = RoutePolicy(channels, route, flush_interval, f"MultipleQueueFlusher {name!r}")
+        super().__init__(name, policy, processor=processor, batch_size=batch_size,
+                         capacity=queue_size, workers=threads, ack_messages=ack_messages,
+                         on_error=on_error)
 
     @property
     def channels(self) -> int:
         """The number of channels."""
         return len(self._channels)
-
-    def _channel_of(self, item: T) -> Channel[T]:
-        chosen = self._route(item)
-        try:
-            index = operator.index(chosen)
-        except TypeError:
-            raise RouteError(f"{self.name}: route returned {chosen!r}, not an int") from None
-        if not 0 <= index < len(self._channels):
-            raise RouteError(
-                f"{self.name}: route returned channel {index}, "
-                f"outside 0..{len(self._channels) - 1}"
-            )
-        return self._channels[index]
-
-    def _batch(self, index: int, items: list[T]) -> Group[T]:
-        return Group(index, items)

@@ -16,22 +16,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from msgpatterns._extras import lazy_attributes
-from msgpatterns.idempotency.base import Checker, Executed, LeaseChecker
-from msgpatterns.idempotency.decorator import idempotent
+from msgpatterns.idempotency.base import Checker, CheckerClosed, Executed, LeaseChecker
+from msgpatterns.idempotency.decorator import MissingIdempotencyKey, idempotent
 from msgpatterns.idempotency.fingerprint import fingerprint_of
 from msgpatterns.idempotency.keys import KeyBuilder
 from msgpatterns.idempotency.memory import MemoryChecker
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import Claim, IdempotencyStats, Status
+from msgpatterns.idempotency.results import ResultNotSerialisable, ResultNotStored
 from msgpatterns.idempotency.spec import CheckerSpec, checker_from_spec, checker_from_url
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.redis_store import RedisChecker
     from msgpatterns.idempotency.sql import SqlChecker
-    from msgpatterns.idempotency.transactional import TransactionalSqlChecker
+    from msgpatterns.idempotency.transactional import (
+        TransactionAborted,
+        TransactionalSqlChecker,
+    )
 
 __all__ = [
     "Checker",
+    "CheckerClosed",
     "CheckerSpec",
     "Claim",
     "Executed",
@@ -39,10 +44,14 @@ __all__ = [
     "KeyBuilder",
     "LeaseChecker",
     "MemoryChecker",
+    "MissingIdempotencyKey",
     "RedisChecker",
+    "ResultNotSerialisable",
+    "ResultNotStored",
     "SqlChecker",
     "Status",
     "StorePolicy",
+    "TransactionAborted",
     "TransactionalSqlChecker",
     "checker_from_spec",
     "checker_from_url",
@@ -54,6 +63,7 @@ _LAZY = {
     "RedisChecker": "msgpatterns.idempotency.redis_store",
     "SqlChecker": "msgpatterns.idempotency.sql",
     "TransactionalSqlChecker": "msgpatterns.idempotency.transactional",
+    "TransactionAborted": "msgpatterns.idempotency.transactional",
 }
 
 

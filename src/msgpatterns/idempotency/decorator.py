@@ -9,22 +9,101 @@ by a callable that receives exactly the handler's arguments.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
+from msgpatterns._callables import require_sync_callable
 from msgpatterns.errors import ConfigurationError, MalformedMessage
+from msgpatterns.idempotency.batch import GUARD_ATTRIBUTE, BatchGuard
 from msgpatterns.idempotency.fingerprint import fingerprint_of
 from msgpatterns.idempotency.keys import normalise_key
+from msgpatterns.idempotency.results import DEFAULT_MAX_RESULT_BYTES, check_max_result_bytes
 from msgpatterns.message import Message
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.base import Checker
     from msgpatterns.idempotency.transactional import TransactionalSqlChecker
 
-__all__ = ["idempotent"]
+__all__ = ["MissingIdempotencyKey", "idempotent"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+class MissingIdempotencyKey(MalformedMessage):
+    """The message has no idempotency key (no key and no id, or the key function gave
+    None or ""). A Reject: dead-lettered with a reason that says how to set one, never
+    guessed and never stored."""
+
+
+def _missing_key(value: object, default_key: bool, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> MissingIdempotencyKey:
+    what = "empty" if value is not None else "missing (None)"
+    if default_key:
+        message = _message_in(args, kwargs)
+        return MissingIdempotencyKey(
+            f"idempotency key {what}: message {message.id!r} on topic {message.topic!r} "
+            "has neither a key nor a message id; publish it with a message id (or a "
+            "key), or pass key=<callable> to @idempotent to compute the key from the "
+            "message's content"
+        )
+    return MissingIdempotencyKey(
+        f"idempotency key {what}: the key= callable of @idempotent returned {value!r} "
+        "for this message; make it return a non-empty str, bytes or int (or publish "
+        "the message with the field it reads)"
+    )
+
+
+def _default_group(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of a function, a partial's function or a callable object."""
+    target: Any = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not hasattr(target, "__qualname__"):
+        target = type(target)
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _require_checker(checker: object) -> None:
+    """Refuse anything that is not a checker, naming the usual mistakes."""
+    if all(callable(getattr(checker, name, None)) for name in ("execute", "store_key")) \
+            and hasattr(checker, "passes_tx"):
+        return
+    if isinstance(checker, str):
+        from msgpatterns.idempotency.spec import redact_url
+
+        raise TypeError(
+            f"@idempotent needs a checker, got the string {redact_url(checker)!r}; build "
+            "one first: @idempotent(checker_from_url(url)) or RedisChecker(url), "
+            "SqlChecker(url), TransactionalSqlChecker(url)"
+        )
+    if callable(checker) and not hasattr(checker, "execute"):
+        raise TypeError(
+            f"@idempotent needs a checker, got the function {_default_group(checker)}: "
+            "write @idempotent(checker), not a bare @idempotent"
+        )
+    raise TypeError(f"@idempotent needs a checker (MemoryChecker, RedisChecker, "
+                    f"SqlChecker, TransactionalSqlChecker), got {type(checker).__name__}")
+
+
+def _require_tx_parameter(fn: Callable[..., Any]) -> None:
+    """A TransactionalSqlChecker handler must accept ``tx`` (or ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): trust the caller
+        return
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD or (
+            parameter.name == "tx" and parameter.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ):
+            return
+    raise ConfigurationError(
+        f"handler {_default_group(fn)} has no 'tx' parameter, but TransactionalSqlChecker "
+        "passes the open transaction as tx=: write def handle(message, tx) and do the "
+        "handler's writes through tx"
+    )
 
 
 def _message_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message:
@@ -57,6 +136,8 @@ def idempotent(
     fingerprint: bool | Callable[..., object] = False,
     on_duplicate: Callable[..., Any] | None = None,
     fail_open: bool = False,
+    store_result: bool = False,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
 ) -> Callable[[Callable[..., R]], Callable[..., R | None]]: ...
 
 
@@ -69,6 +150,8 @@ def idempotent(
     fingerprint: bool | Callable[..., object] = False,
     on_duplicate: Callable[..., Any] | None = None,
     fail_open: bool = False,
+    store_result: bool = False,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
 
 
@@ -80,6 +163,8 @@ def idempotent(
     fingerprint: bool | Callable[..., object] = False,
     on_duplicate: Callable[..., Any] | None = None,
     fail_open: bool = False,
+    store_result: bool = False,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
 ) -> Callable[[Callable[..., R]], Callable[..., R | None]]:
     """Run the decorated handler at most once per idempotency key.
 
@@ -102,15 +187,50 @@ def idempotent(
             callback. Default: return None (the Consumer then acks).
         fail_open: when the store stays unreachable, run the handler WITHOUT dedup
             (logged, counted) instead of raising NeedRetry. Off by default.
+        store_result: keep the handler's return value (JSON-serialisable) with the
+            DONE record and return it - decoded from JSON, so tuples come back as
+            lists and dict keys as strings - for a duplicate, instead of running the
+            handler. A result that cannot be kept (over ``max_result_bytes`` of JSON,
+            or not JSON-serialisable) does not fail the call: its effect happened, so
+            the key is completed without it (logged at error level, counted in
+            ``stats.results_not_stored``) and a duplicate raises
+            :class:`~msgpatterns.idempotency.ResultNotStored` (a Reject) saying why.
+            Not combined with ``on_duplicate``.
+        max_result_bytes: the largest result kept, in bytes of its JSON (64 KiB by
+            default, at most 8 MiB).
 
-    The wrapper returns the handler's result, or ``on_duplicate``'s (None by
-    default) for a duplicate. It raises :class:`~msgpatterns.errors.InProgress`
-    while another consumer holds the key, :class:`~msgpatterns.errors.NeedRetry` when
-    the store is unreachable, :class:`~msgpatterns.errors.MalformedMessage` when the
-    key cannot be computed, and whatever the handler raises (the key is released).
-    Duplicates are never an error: they are logged at debug and counted in
-    ``checker.stats.duplicates``.
+    The wrapper returns the handler's result, or for a duplicate the stored result
+    (``store_result``) or ``on_duplicate``'s (None by default). It raises
+    :class:`~msgpatterns.errors.InProgress` while another consumer holds the key,
+    :class:`~msgpatterns.errors.NeedRetry` when the store is unreachable,
+    :class:`~msgpatterns.errors.MalformedMessage` when the key cannot be computed,
+    and whatever the handler raises (the key is released). Duplicates are never an
+    error: they are logged at debug and counted in ``checker.stats.duplicates``.
+
+    A missing key (no ``message.key`` and no ``message.id``, or ``None``/``""`` from
+    ``key``) raises :class:`MissingIdempotencyKey` (a Reject: dead-lettered with a
+    reason saying how to set one), never a guess. Misuse is refused here, at decoration
+    time: a missing or wrong checker (``TypeError``), a ``key``, ``fingerprint`` or
+    ``on_duplicate`` that is not callable (:class:`ConfigurationError`), an ``async
+    def`` handler or callable (``TypeError``: no async support yet), and a
+    TransactionalSqlChecker handler without a ``tx`` parameter.
     """
+    _require_checker(checker)
+    where = "@idempotent"
+    if key is not None:
+        require_sync_callable(key, what="key", where=where)
+    if on_duplicate is not None:
+        require_sync_callable(on_duplicate, what="on_duplicate", where=where)
+    if store_result:
+        check_max_result_bytes(max_result_bytes)
+        if on_duplicate is not None:
+            raise ConfigurationError(
+                "@idempotent: store_result returns the stored result for a duplicate, "
+                "on_duplicate replaces it: pass one of them")
+    if not isinstance(fingerprint, bool):
+        require_sync_callable(fingerprint, what="fingerprint (True, False or a callable)",
+                              where=where)
+    default_key = key is None
     key_of = key if key is not None else message_key
     payload_of: Callable[..., object] | None
     if fingerprint is True:
@@ -122,18 +242,36 @@ def idempotent(
     passes_tx = checker.passes_tx
 
     def decorate(fn: Callable[..., R]) -> Callable[..., R | None]:
-        name = group if group is not None else f"{fn.__module__}.{fn.__qualname__}"
+        require_sync_callable(fn, what="handler", where=where)
+        if passes_tx:
+            _require_tx_parameter(fn)
+        name = group if group is not None else _default_group(fn)
         checker.store_key("probe", name)  # a bad group fails here, not per message
 
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> R | None:
+        def identify(*args: Any, **kwargs: Any) -> tuple[str | bytes, str | None]:
+            """The key (normalised) and the payload fingerprint of one call."""
             try:
-                raw = normalise_key(key_of(*args, **kwargs))
+                value = key_of(*args, **kwargs)
             except ConfigurationError:
                 raise
             except Exception as exc:
                 raise MalformedMessage(f"no usable idempotency key: {exc}") from exc
+            if value is None or (isinstance(value, str | bytes) and not value):
+                raise _missing_key(value, default_key, args, kwargs)
+            try:
+                raw = normalise_key(value)
+            except Exception as exc:
+                raise MalformedMessage(f"no usable idempotency key: {exc}") from exc
             prints = None if payload_of is None else fingerprint_of(payload_of(*args, **kwargs))
+            return raw, prints
+
+        def stored(*args: Any, **kwargs: Any) -> tuple[str, str | None]:
+            raw, prints = identify(*args, **kwargs)
+            return checker.store_key(raw, name), prints
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> R | None:
+            raw, prints = identify(*args, **kwargs)
             if passes_tx:
                 def call(tx: Any) -> R:
                     return fn(*args, tx=tx, **kwargs)
@@ -141,11 +279,17 @@ def idempotent(
                 def call(tx: Any) -> R:
                     return fn(*args, **kwargs)
             outcome = checker.execute(raw, call, group=name, fingerprint=prints,
-                                      fail_open=fail_open)
-            if outcome.ran:
+                                      fail_open=fail_open, store_result=store_result,
+                                      max_result_bytes=max_result_bytes)
+            if outcome.ran or store_result:
                 return outcome.result
             return on_duplicate(*args, **kwargs) if on_duplicate is not None else None
 
+        # How a runtime running many messages at once finds the rules (batch claims).
+        setattr(wrapper, GUARD_ATTRIBUTE, BatchGuard(
+            checker=checker, handler=fn, wrapper=wrapper, group=name, identify=stored,
+            on_duplicate=on_duplicate, fail_open=fail_open, store_result=store_result,
+            max_result_bytes=max_result_bytes))
         return wrapper
 
     return decorate

@@ -45,8 +45,8 @@ class MemoryChecker(LeaseChecker):
                          max_key_bytes=max_key_bytes, policy=StorePolicy(attempts=1))
         self.clock = clock
         self._lock = threading.Lock()
-        # key -> (state, token, fingerprint, expires_at)
-        self._records: dict[str, tuple[str, str, str | None, float]] = {}
+        # key -> (state, token, fingerprint, expires_at, stored result text)
+        self._records: dict[str, tuple[str, str, str | None, float, str | None]] = {}
         self._sweep_at = 1024
 
     def __len__(self) -> int:
@@ -57,12 +57,12 @@ class MemoryChecker(LeaseChecker):
         records = []
         with self._lock:
             now = self.clock()
-            for key, token, fingerprint in requests:
+            for key, token, fingerprint, _ in requests:
                 found = self._records.get(key)
                 if found is None or found[3] <= now:  # absent, lease or ttl expired
-                    found = (PROCESSING, token, fingerprint, now + self.lease)
+                    found = (PROCESSING, token, fingerprint, now + self.lease, None)
                     self._records[key] = found
-                records.append(Record(found[0], found[1], found[2], found[3] - now))
+                records.append(Record(found[0], found[1], found[2], found[3] - now, found[4]))
             if len(self._records) >= self._sweep_at:
                 self._sweep(now)
         return records
@@ -71,18 +71,18 @@ class MemoryChecker(LeaseChecker):
         done = []
         with self._lock:
             now = self.clock()
-            for key, token, fingerprint in items:
+            for key, token, fingerprint, result in items:
                 found = self._records.get(key)
                 ok = found is None or found[1] == token
                 if ok and (found is None or found[0] == PROCESSING):
-                    self._records[key] = (DONE, token, fingerprint, now + self.ttl)
+                    self._records[key] = (DONE, token, fingerprint, now + self.ttl, result)
                 done.append(ok)
         return done
 
     def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         released = []
         with self._lock:
-            for key, token, _ in items:
+            for key, token, _, _ in items:
                 found = self._records.get(key)
                 ok = found is not None and found[0] == PROCESSING and found[1] == token
                 if ok:
@@ -99,8 +99,13 @@ class MemoryChecker(LeaseChecker):
 
     def purge(self, older_than: float | timedelta | None = None) -> int:
         """Forget records that expired at least ``older_than`` seconds ago."""
+        self._check_open()
         with self._lock:
             return self._sweep(self.clock(), seconds(older_than) or 0.0)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._records.clear()
 
     def spec(self) -> CheckerSpec:
         """Not available: a MemoryChecker's state cannot leave its process."""

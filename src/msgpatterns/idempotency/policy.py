@@ -1,13 +1,15 @@
 """How a checker treats an unreachable store: retry transient errors, then give up.
 
 The first call runs bare (no retry machinery on the fast path); after a transient
-error the call is retried by tenacity with exponential backoff, and when the store
-stays unreachable :class:`~msgpatterns.errors.StoreUnavailable` is raised. The
-``@idempotent`` decorator turns that into ``NeedRetry(policy.unavailable_delay)``.
+error the call is retried by tenacity, waiting per the policy's
+:class:`~msgpatterns.Backoff`, and when the store stays unreachable
+:class:`~msgpatterns.errors.StoreUnavailable` is raised. The ``@idempotent``
+decorator turns that into ``NeedRetry(policy.unavailable_delay)``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +17,8 @@ from typing import TypeVar
 
 import tenacity
 
-from msgpatterns.errors import StoreUnavailable
+from msgpatterns.errors import ConfigurationError, StoreUnavailable
+from msgpatterns.retry import Backoff
 
 __all__ = ["StorePolicy", "call_with_retries"]
 
@@ -31,22 +34,59 @@ class StorePolicy:
 
     Attributes:
         attempts: calls in total before giving up (1: no retry).
-        wait: seconds before the first retry; doubles on each retry.
-        max_wait: longest wait between two retries.
+        wait: deprecated shorthand, kept working: with ``max_wait`` it stands for
+            ``backoff=Backoff.exponential(initial=wait, max=max_wait, jitter=False)``
+            (``wait`` seconds before the first retry, doubling on each retry).
+        max_wait: deprecated shorthand (see ``wait``): longest wait between retries.
         unavailable_delay: the ``NeedRetry`` delay, in seconds, of a message whose
             store stayed unreachable.
+        backoff: the wait before each retry, a :class:`~msgpatterns.Backoff` (or
+            anything :meth:`Backoff.of <msgpatterns.Backoff.of>` takes: a tenacity
+            wait, seconds). When given, ``wait`` and ``max_wait`` are not used.
     """
 
     attempts: int = 3
     wait: float = 0.05
     max_wait: float = 1.0
     unavailable_delay: float = 10.0
+    backoff: Backoff | None = None
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError("attempts must be at least 1")
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) \
+                or self.attempts < 1:
+            raise ConfigurationError(
+                f"StorePolicy attempts must be an int of at least 1, got {self.attempts!r}")
         if self.wait < 0 or self.max_wait < 0 or self.unavailable_delay < 0:
-            raise ValueError("waits and delays cannot be negative")
+            raise ConfigurationError("StorePolicy waits and delays cannot be negative")
+        if self.backoff is not None:
+            object.__setattr__(self, "backoff", Backoff.of(self.backoff))
+
+    @property
+    def schedule(self) -> Backoff:
+        """The wait before retry ``n``: ``backoff``, or the schedule ``wait`` and
+        ``max_wait`` stand for."""
+        if self.backoff is not None:
+            return self.backoff
+        return _shorthand(self.wait, self.max_wait)
+
+    def call(
+        self,
+        fn: Callable[[], T],
+        transient: tuple[type[BaseException], ...],
+        *,
+        what: str,
+    ) -> T:
+        """``fn()``, retried on ``transient`` errors per this policy; raises
+        :class:`~msgpatterns.errors.StoreUnavailable` (chained to the last error) when
+        every attempt failed. Any other error propagates at once."""
+        return call_with_retries(fn, self, transient, what=what)
+
+
+@functools.lru_cache(maxsize=64)
+def _shorthand(wait: float, max_wait: float) -> Backoff:
+    """``wait`` doubling per retry, at most ``max_wait`` (never below ``wait``)."""
+    return Backoff.exponential(initial=wait, factor=2.0, max=max(wait, max_wait),
+                               jitter=False)
 
 
 def call_with_retries(
@@ -69,7 +109,7 @@ def call_with_retries(
         if on_error is not None:
             on_error(exc)
     if policy.attempts == 1:
-        raise StoreUnavailable(f"{what}: {first!r}") from first
+        raise StoreUnavailable(f"{what}: {_describe(first)}") from first
 
     def attempt() -> T:
         nonlocal first
@@ -85,8 +125,7 @@ def call_with_retries(
 
     retrying = tenacity.Retrying(
         stop=tenacity.stop_after_attempt(policy.attempts),
-        wait=tenacity.wait_exponential(multiplier=policy.wait, min=policy.wait,
-                                       max=policy.max_wait),
+        wait=policy.schedule,
         retry=tenacity.retry_if_exception_type(transient),
         before_sleep=lambda state: log.debug(
             "%s failed (attempt %d), retrying: %r", what, state.attempt_number,
@@ -97,4 +136,10 @@ def call_with_retries(
     try:
         return retrying(attempt)
     except transient as exc:
-        raise StoreUnavailable(f"{what} failed {policy.attempts} times: {exc!r}") from exc
+        raise StoreUnavailable(
+            f"{what} failed {policy.attempts} times: {_describe(exc)}") from exc
+
+
+def _describe(error: BaseException | None) -> str:
+    """``Type: message`` of a client error (some clients' reprs drop the message)."""
+    return f"{type(error).__name__}: {error}"

@@ -11,7 +11,9 @@ import enum
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from msgpatterns.observability import stats as _obs
 
 __all__ = ["PROCESSING", "DONE", "Claim", "IdempotencyStats", "Record", "Status"]
 
@@ -43,6 +45,9 @@ class Claim(NamedTuple):
         token: the owner token, set only when ``status`` is ``CLAIMED``.
         remaining: seconds left on the other owner's lease (``IN_PROGRESS``), else 0.
         fingerprint: the payload fingerprint the claim was made with, if any.
+        result: for ``DONE``, the stored result text (see
+            :mod:`msgpatterns.idempotency.results`; read it with
+            :meth:`stored_result`), None when none was kept.
     """
 
     key: str
@@ -50,24 +55,37 @@ class Claim(NamedTuple):
     token: str | None = None
     remaining: float = 0.0
     fingerprint: str | None = None
+    result: str | None = None
 
     @property
     def claimed(self) -> bool:
         """True when the caller owns the key."""
         return self.status is Status.CLAIMED
 
+    def stored_result(self) -> Any:
+        """The result stored with this DONE key (``store_result``), decoded from JSON.
+
+        Raises :class:`~msgpatterns.idempotency.results.ResultNotStored` when the
+        record holds none (too large, not serialisable, or completed without it).
+        """
+        from msgpatterns.idempotency.results import decode_result
+
+        return decode_result(self.result, self.key)
+
 
 class Record(NamedTuple):
     """A key's stored state as a store observed it, right after a claim attempt.
 
     ``remaining`` is the time left before the record expires (the lease for
-    ``PROCESSING``, the ttl for ``DONE``), in seconds.
+    ``PROCESSING``, the ttl for ``DONE``), in seconds. ``result`` is the stored
+    result text of a ``DONE`` record, if any.
     """
 
     state: str
     token: str
     fingerprint: str | None
     remaining: float
+    result: str | None = None
 
 
 @dataclass
@@ -84,20 +102,30 @@ class IdempotencyStats:
     store_errors: int = 0
     unavailable: int = 0
     processed_without_dedup: int = 0
+    #: Keys completed without their result (``store_result``): too large or not JSON.
+    results_not_stored: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        #: Who counts here (the checker's class), for telemetry.
+        self.owner = ""
 
     def add(self, name: str, count: int = 1) -> None:
-        """Add ``count`` to counter ``name``."""
+        """Add ``count`` to counter ``name`` (and report it to the telemetry listener)."""
         with self._lock:
             setattr(self, name, getattr(self, name) + count)
+        listener = _obs.listener
+        if listener is not None:
+            _obs.report(listener.idempotency_counted, self.owner, {name: count})
 
     def add_all(self, counts: Mapping[str, int]) -> None:
-        """Add several counters at once."""
+        """Add several counters at once (and report them to the telemetry listener)."""
         with self._lock:
             for name, count in counts.items():
                 setattr(self, name, getattr(self, name) + count)
+        listener = _obs.listener
+        if listener is not None:
+            _obs.report(listener.idempotency_counted, self.owner, counts)
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict."""

@@ -1,7 +1,9 @@
 """RedisChecker: the idempotency state machine on Redis (redis-py, fakeredis).
 
 Each key is one Redis string whose value is the state (``P`` or ``D``), the 32-hex
-owner token and the optional payload fingerprint. Every write sets an expiry: the
+owner token, the optional payload fingerprint and, for a DONE key completed with
+``store_result``, a newline and the stored result text (ASCII JSON, see
+:mod:`msgpatterns.idempotency.results`). Every write sets an expiry: the
 lease for PROCESSING, ``ttl`` for DONE, so no key ever lives forever and an expired
 lease simply frees the key. Claim, complete and release are Lua scripts run by
 ``EVALSHA`` over any number of keys (keys and values travel as script KEYS and ARGV,
@@ -24,7 +26,7 @@ from msgpatterns.idempotency.base import ClaimRequest, LeaseChecker
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import PROCESSING, Record
 from msgpatterns.idempotency.redis_link import RedisLink
-from msgpatterns.idempotency.spec import CheckerSpec, policy_options
+from msgpatterns.idempotency.spec import CheckerSpec, hide_password_in, policy_options, redact_url
 
 if TYPE_CHECKING:
     import redis
@@ -47,22 +49,24 @@ end
 return out
 """
 
-# ARGV[1] ttl in ms; ARGV[2i], ARGV[2i + 1]: token and fingerprint of KEYS[i].
-# Per key: 1 when it is (now) DONE by that token - also when its lease expired and
-# nobody took it - else 0.
+# ARGV[1] ttl in ms; ARGV[3i - 1], ARGV[3i], ARGV[3i + 1]: token, fingerprint and
+# stored result text ('' for none) of KEYS[i]. Per key: 1 when it is (now) DONE by
+# that token - also when its lease expired and nobody took it - else 0.
 COMPLETE = """
 local out = {}
 for i, key in ipairs(KEYS) do
-  local token, fingerprint = ARGV[2 * i], ARGV[2 * i + 1]
+  local token, fingerprint, result = ARGV[3 * i - 1], ARGV[3 * i], ARGV[3 * i + 1]
+  local tail = ''
+  if result ~= '' then tail = '\\n' .. result end
   local v = redis.call('GET', key)
   if not v then
-    redis.call('SET', key, 'D' .. token .. fingerprint, 'PX', ARGV[1])
+    redis.call('SET', key, 'D' .. token .. fingerprint .. tail, 'PX', ARGV[1])
     out[i] = 1
   elseif string.sub(v, 2, 33) ~= token then
     out[i] = 0
   else
     if string.sub(v, 1, 1) == 'P' then
-      redis.call('SET', key, 'D' .. string.sub(v, 2), 'PX', ARGV[1])
+      redis.call('SET', key, 'D' .. string.sub(v, 2) .. tail, 'PX', ARGV[1])
     end
     out[i] = 1
   end
@@ -97,7 +101,9 @@ def _record(reply: Any, request: ClaimRequest, lease_ms: int) -> Record:
     if reply == 1:
         return Record(PROCESSING, request.token, request.fingerprint, lease_ms / 1000)
     value, pttl = _text(reply[0]), int(reply[1])
-    return Record(value[0], value[1:33], value[33:] or None, max(pttl, 0) / 1000)
+    fingerprint, newline, result = value[33:].partition("\n")
+    return Record(value[0], value[1:33], fingerprint or None, max(pttl, 0) / 1000,
+                  result if newline else None)
 
 
 def _url_of(client: redis.Redis) -> str:
@@ -166,10 +172,16 @@ class RedisChecker(LeaseChecker):
             from redis.retry import Retry
 
             self.url: str | None = client_or_url
-            self.client: redis.Redis = redis_module.Redis.from_url(
-                client_or_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
-                socket_timeout=5.0,
-            )
+            try:
+                self.client: redis.Redis = redis_module.Redis.from_url(
+                    client_or_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
+                    socket_timeout=5.0,
+                )
+            except ValueError as error:
+                raise ConfigurationError(
+                    f"cannot use Redis URL {redact_url(client_or_url)!r}: "
+                    f"{hide_password_in(str(error), client_or_url)}"
+                ) from None
             self._owns_client = True
         else:
             self.url = None
@@ -194,7 +206,8 @@ class RedisChecker(LeaseChecker):
 
     def _complete_record(self, item: ClaimRequest) -> bool:
         (reply,) = self._eval(self._complete_script, [item.key.encode("utf-8")],
-                              [self._ttl_ms, item.token, item.fingerprint or ""])
+                              [self._ttl_ms, item.token, item.fingerprint or "",
+                               item.result or ""])
         return bool(reply == 1)
 
     def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
@@ -206,7 +219,8 @@ class RedisChecker(LeaseChecker):
     def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
         replies = self._run(self._complete_script, [item.key for item in items],
                             (self._ttl_ms,),
-                            [(item.token, item.fingerprint or "") for item in items])
+                            [(item.token, item.fingerprint or "", item.result or "")
+                             for item in items])
         return [reply == 1 for reply in replies]
 
     def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
@@ -264,6 +278,7 @@ class RedisChecker(LeaseChecker):
 
     def purge(self, older_than: float | timedelta | None = None) -> int:
         """Nothing to do: Redis expires every key itself. Returns 0."""
+        self._check_open()
         return 0
 
     def spec(self) -> CheckerSpec:
@@ -273,6 +288,14 @@ class RedisChecker(LeaseChecker):
             "max_key_bytes": self.keys.max_bytes, "policy": policy_options(self.policy),
             "write_behind": self.write_behind,
         })
+
+    def _where(self) -> str:
+        if self.url is not None:
+            return redact_url(self.url)
+        try:
+            return redact_url(_url_of(self.client))
+        except ConfigurationError:
+            return "fakeredis"
 
     def _close(self) -> None:
         self._link.close()

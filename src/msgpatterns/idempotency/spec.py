@@ -12,16 +12,18 @@ an equivalent checker from it in the receiving process::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from msgpatterns._redact import hide_password_in, redact_url
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency.policy import StorePolicy
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.base import Checker
 
-__all__ = ["CheckerSpec", "checker_from_spec", "checker_from_url"]
+__all__ = ["CheckerSpec", "checker_from_spec", "checker_from_url", "hide_password_in",
+           "redact_url"]
 
 _KINDS = {
     "redis": ("msgpatterns.idempotency.redis_store", "RedisChecker"),
@@ -43,10 +45,23 @@ class CheckerSpec:
         """A new checker for this spec (same as :func:`checker_from_spec`)."""
         return checker_from_spec(self)
 
+    def __repr__(self) -> str:
+        """The spec with its URL's password shown as ``***`` (``url`` keeps it)."""
+        return (f"CheckerSpec(kind={self.kind!r}, url={redact_url(self.url)!r}, "
+                f"options={dict(self.options)!r})")
+
+    __str__ = __repr__
+
 
 def policy_options(policy: StorePolicy) -> dict[str, Any]:
-    """A store policy as plain spec options."""
-    return asdict(policy)
+    """A store policy as spec options (plain values; its ``backoff`` when it has one)."""
+    options: dict[str, Any] = {
+        "attempts": policy.attempts, "wait": policy.wait, "max_wait": policy.max_wait,
+        "unavailable_delay": policy.unavailable_delay,
+    }
+    if policy.backoff is not None:
+        options["backoff"] = policy.backoff
+    return options
 
 
 def checker_from_spec(spec: CheckerSpec) -> Checker:
@@ -61,7 +76,15 @@ def checker_from_spec(spec: CheckerSpec) -> Checker:
     options = dict(spec.options)
     if isinstance(options.get("policy"), Mapping):
         options["policy"] = StorePolicy(**options["policy"])
-    checker: Checker = cls(spec.url, **options)
+    try:
+        checker: Checker = cls(spec.url, **options)
+    except ValueError as exc:
+        if isinstance(exc, ConfigurationError):
+            raise
+        raise ConfigurationError(
+            f"cannot build a {name} from {redact_url(spec.url)!r}: "
+            f"{hide_password_in(str(exc), spec.url)}"
+        ) from None
     return checker
 
 

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError, seconds
-from msgpatterns.idempotency.base import ClaimRequest, LeaseChecker
+from msgpatterns.idempotency.base import ClaimRequest, Closable, LeaseChecker
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import PROCESSING, Record
 from msgpatterns.idempotency.spec import CheckerSpec, policy_options
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Engine
+    from sqlalchemy.engine import Connection, Engine
 
     from msgpatterns.idempotency.sql_table import DedupTable
 
@@ -29,30 +30,55 @@ class SqlStore:
     def __init__(self, engine_or_url: Engine | str, table: str,
                  clock: Callable[[], float], *, autocommit: bool) -> None:
         sa = require("sqlalchemy", "sql")
+        from msgpatterns._sql import transient_errors
         from msgpatterns.idempotency.sql_table import DedupTable
 
         if isinstance(engine_or_url, str):
             # our own engine: connections set to autocommit once, when they are opened
             options = {"isolation_level": "AUTOCOMMIT"} if autocommit else {}
-            self.engine: Engine = sa.create_engine(engine_or_url, **options)
+            self.engine: Engine = self._create_engine(sa, engine_or_url, options)
             self._owns_engine = True
         else:
             self.engine = engine_or_url
             self._owns_engine = False
-        #: Where single statements run: each one atomic on its own, no transaction
-        #: round trips (a caller's engine is switched to autocommit per checkout).
-        self.statements: Engine = self.engine if not autocommit or self._owns_engine \
-            else self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._autocommit = autocommit and self._owns_engine
         self.table: DedupTable = DedupTable(self.engine, table)
         self.clock = clock
-        dbapi = self.engine.dialect.loaded_dbapi
-        self.transient: tuple[type[BaseException], ...] = (
-            sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError,
-            sa.exc.TimeoutError,
-            # raised unwrapped by a few driver calls SQLAlchemy makes outside statements
-            # (setting autocommit on a connection the server has just dropped)
-            dbapi.OperationalError, dbapi.InterfaceError,
-        )
+        dialect = self.engine.dialect
+        #: Any database error, wrapped by SQLAlchemy or raised by the driver.
+        self.dbapi_errors: tuple[type[BaseException], ...] = (
+            sa.exc.DBAPIError, dialect.loaded_dbapi.Error)
+        self.transient: tuple[type[BaseException], ...] = transient_errors(dialect)
+
+    @staticmethod
+    def _create_engine(sa: Any, url: str, options: dict[str, Any]) -> Engine:
+        """An engine for ``url``; a URL that does not parse is a ConfigurationError that
+        never shows the password."""
+        from msgpatterns.idempotency.spec import hide_password_in, redact_url
+
+        try:
+            engine: Engine = sa.create_engine(url, **options)
+        except (sa.exc.ArgumentError, ValueError) as exc:
+            raise ConfigurationError(
+                f"cannot use SQL URL {redact_url(url)!r}: {hide_password_in(str(exc), url)}"
+            ) from None
+        return engine
+
+    def statements(self) -> AbstractContextManager[Connection]:
+        """A connection for a few statements that commit when the block ends.
+
+        On an engine this checker created, connections are in autocommit (set once,
+        when opened): no transaction round trips. On the caller's engine nothing about
+        its connections is changed (no isolation level to reset at check-in, which
+        would leak the connection when the server dropped it): the statements run in
+        an ordinary transaction, committed at the end of the block, and a dead
+        connection is invalidated by SQLAlchemy as usual.
+        """
+        return self.engine.connect() if self._autocommit else self.engine.begin()
+
+    def where(self) -> str:
+        """The database URL without its password."""
+        return self.engine.url.render_as_string(hide_password=True)
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -75,13 +101,14 @@ class SqlStore:
             self.engine.dispose()
 
 
-class SqlMaintenance:
+class SqlMaintenance(Closable):
     """Table creation, purge and clean-up, shared by both SQL checkers."""
 
     store: SqlStore
 
     def create_table(self) -> None:
         """Create the dedup table if it does not exist (done on first use anyway)."""
+        self._check_open()
         self.store.table.create()
 
     def purge(self, older_than: float | timedelta | None = None) -> int:
@@ -94,10 +121,12 @@ class SqlMaintenance:
     def purge_batches(self, older_than: float | timedelta | None = None,
                       chunk: int = 5000) -> Iterator[int]:
         """:meth:`purge` in transactions of ``chunk`` rows; yields each one's count."""
+        self._check_open()
         return self.store.table.purge_batches(self.store.cutoff(older_than), chunk)
 
     def count_expired(self, older_than: float | timedelta | None = None) -> int:
         """How many records :meth:`purge` would delete now."""
+        self._check_open()
         return self.store.table.count_expired(self.store.cutoff(older_than))
 
 
@@ -147,7 +176,6 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
                          max_key_bytes=KEY_BYTES, policy=policy, write_behind=write_behind)
         self.transient = self.store.transient
         self.engine = self.store.engine
-        self._autocommit = self.store.statements
         self._lease_ms = int(self.lease * 1000)
         self._ttl_ms = int(self.ttl * 1000)
 
@@ -155,19 +183,20 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         self.store.table.create()
         now = self.store.now_ms()
         rows = [{"dedup_key": r.key, "state": PROCESSING, "owner_token": r.token,
-                 "fingerprint": r.fingerprint, "expires_at": now + self._lease_ms,
-                 "updated_at": now} for r in requests]
-        with self._autocommit.connect() as conn:
+                 "fingerprint": r.fingerprint, "result": None,
+                 "expires_at": now + self._lease_ms, "updated_at": now} for r in requests]
+        with self.store.statements() as conn:
             found = self.store.table.claim(conn, rows, now)
         return [found[r.key] for r in requests]
 
     def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        self.store.table.create()  # also learns whether the table keeps results
         now = self.store.now_ms()
-        with self._autocommit.connect() as conn:
+        with self.store.statements() as conn:
             return self.store.table.complete(conn, items, now, now + self._ttl_ms)
 
     def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        with self._autocommit.connect() as conn:
+        with self.store.statements() as conn:
             return self.store.table.release(conn, items)
 
     def spec(self) -> CheckerSpec:
@@ -178,6 +207,9 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
             "write_behind": self.write_behind,
         }
         return CheckerSpec("sql", self.store.url(), options)
+
+    def _where(self) -> str:
+        return self.store.where()
 
     def _close(self) -> None:
         self.store.close()

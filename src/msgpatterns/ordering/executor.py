@@ -5,7 +5,9 @@ Guarantees:
 * Tasks submitted with the same key run one at a time, in submission order, also
   across :meth:`OrderedExecutor.resize` calls.
 * Tasks of different keys run in parallel on up to ``lanes`` threads.
-* A task that raises sets its future's exception; its lane goes on with the next task.
+* A task that raises - any ``BaseException``, ``SystemExit`` and ``KeyboardInterrupt``
+  included - sets its future's exception; its lane goes on with the next task. A done
+  callback that raises is logged; it never stops the lane either.
 * ``shutdown(wait=True)`` returns after every task submitted before it has finished.
 
 How: a key maps to a fixed logic partition (a stable hash); each lane (a thread with a
@@ -19,6 +21,7 @@ held tasks move to the partition's current lane, ahead of anything submitted lat
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from collections import deque
@@ -30,6 +33,8 @@ from typing import Any, ParamSpec, TypeVar
 from msgpatterns.ordering.partitions import Key, lane_ranges, logic_partition
 
 __all__ = ["OrderedExecutor"]
+
+log = logging.getLogger("msgpatterns.ordering")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -74,9 +79,7 @@ class OrderedExecutor:
     def __init__(
         self, lanes: int, logic_partitions: int = 1024, *, name: str = "msgpatterns-ordered"
     ) -> None:
-        if logic_partitions < 1:
-            raise ValueError("logic_partitions must be at least 1")
-        lane_ranges(lanes, logic_partitions)  # validates lanes
+        lane_ranges(lanes, logic_partitions)  # validates both
         self._partitions = logic_partitions
         self._name = name
         self._lock = threading.Lock()
@@ -240,12 +243,7 @@ class OrderedExecutor:
             if type(item) is tuple:
                 future, fn, args, kwargs = item
                 if future.set_running_or_notify_cancel():
-                    try:
-                        result = fn(*args, **kwargs)
-                    except BaseException as exc:
-                        future.set_exception(exc)
-                    else:
-                        future.set_result(result)
+                    _run_task(future, fn, args, kwargs)
                 del item, future, fn, args, kwargs
                 lane.done += 1
                 if self._closing:
@@ -269,3 +267,29 @@ class OrderedExecutor:
         self._stopped = True
         for lane in self._lanes:
             lane.queue.put(_STOP)
+
+
+def _run_task(
+    future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Run one task into its future; nothing it (or a done callback) raises escapes.
+
+    A lane thread has no caller to hand a ``SystemExit`` to, and dying would strand
+    every later task of its keys, so any ``BaseException`` goes into the future.
+    ``Future`` logs a done callback's ``Exception`` itself; a ``BaseException`` from one
+    is logged here.
+    """
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # see the docstring
+        _complete(future.set_exception, exc)
+    else:
+        _complete(future.set_result, result)
+
+
+def _complete(setter: Callable[[Any], None], value: Any) -> None:
+    """Complete a future; a done callback raising ``SystemExit`` & co. is logged."""
+    try:
+        setter(value)
+    except BaseException:  # the lane must go on
+        log.exception("a done callback of an ordered task raised; the lane goes on")

@@ -14,24 +14,56 @@ from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar, overload
 
 import tenacity
-from tenacity.wait import WaitBaseT
+from tenacity.wait import WaitBaseT, wait_base
 
-from msgpatterns.errors import NeedRetry, seconds
+from msgpatterns._callables import require_sync_callable
+from msgpatterns.errors import ConfigurationError, NeedRetry, seconds
+from msgpatterns.retry import Backoff
 
-__all__ = ["DEFAULT_WAIT", "optimistic_update"]
+__all__ = ["DEFAULT_BACKOFF", "DEFAULT_WAIT", "optimistic_update"]
 
 P = ParamSpec("P")
 C = TypeVar("C")
 M = TypeVar("M")
 
 #: Pause between attempts: random, up to 5 ms, so contenders spread out.
-DEFAULT_WAIT: WaitBaseT = tenacity.wait_random(0, 0.005)
+DEFAULT_BACKOFF: Backoff = Backoff.of(tenacity.wait_random(0, 0.005))
+#: The former name of :data:`DEFAULT_BACKOFF`.
+DEFAULT_WAIT: WaitBaseT = DEFAULT_BACKOFF
 
 
-def _retrying(attempts: int, retry_later: float | timedelta, wait: WaitBaseT | None,
+def _schedule(backoff: object, wait: object) -> Backoff:
+    """The pause between rounds as a :class:`~msgpatterns.Backoff`: ``backoff`` (or
+    ``wait``, its deprecated alias) if it is one, a tenacity wait or a sync
+    ``wait(retry_state) -> seconds``; :data:`DEFAULT_BACKOFF` when neither is given."""
+    if backoff is not None and wait is not None:
+        raise ConfigurationError("pass backoff or its former name wait, not both")
+    name, given = ("wait", wait) if wait is not None else ("backoff", backoff)
+    if given is None:
+        return DEFAULT_BACKOFF
+    if not isinstance(given, wait_base):
+        if not callable(given):
+            raise ConfigurationError(
+                f"{name} must be a msgpatterns Backoff or a tenacity wait (e.g. "
+                f"tenacity.wait_random(0, 0.01)), got {given!r}"
+            )
+        require_sync_callable(given, what=name, where="optimistic_update")
+    return Backoff.of(given)
+
+
+def _retrying(attempts: int, retry_later: float | timedelta, backoff: Backoff,
               lost: Callable[[Any], bool]) -> tenacity.Retrying:
-    """Retry while ``lost(result)``; after ``attempts`` lost rounds raise NeedRetry."""
-    delay = seconds(retry_later)
+    """Retry while ``lost(result)``; after ``attempts`` lost rounds raise NeedRetry.
+
+    Every argument is checked here, when the update is set up (or decorated), never
+    after the first lost round.
+    """
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+        raise ConfigurationError(f"attempts must be an int of at least 1, got {attempts!r}")
+    try:
+        delay = seconds(retry_later)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"retry_later: {exc}") from None
 
     def give_up(state: tenacity.RetryCallState) -> Any:
         raise NeedRetry(
@@ -43,7 +75,7 @@ def _retrying(attempts: int, retry_later: float | timedelta, wait: WaitBaseT | N
     return tenacity.Retrying(
         stop=tenacity.stop_after_attempt(attempts),
         retry=tenacity.retry_if_result(lost),
-        wait=DEFAULT_WAIT if wait is None else wait,
+        wait=backoff,
         retry_error_callback=give_up,
     )
 
@@ -64,6 +96,7 @@ def optimistic_update(
     attempts: int = 3,
     retry_later: float | timedelta = 10.0,
     *,
+    backoff: Backoff | WaitBaseT | None = None,
     wait: WaitBaseT | None = None,
 ) -> M: ...
 
@@ -77,6 +110,7 @@ def optimistic_update(
     *,
     attempts: int = 3,
     retry_later: float | timedelta = 10.0,
+    backoff: Backoff | WaitBaseT | None = None,
     wait: WaitBaseT | None = None,
 ) -> Callable[[Callable[P, bool]], Callable[P, bool]]: ...
 
@@ -88,6 +122,7 @@ def optimistic_update(
     attempts: int = 3,
     retry_later: float | timedelta = 10.0,
     *,
+    backoff: Backoff | WaitBaseT | None = None,
     wait: WaitBaseT | None = None,
 ) -> Any:
     """Read-merge-write that never loses a concurrent update.
@@ -96,9 +131,10 @@ def optimistic_update(
     ``merged = merge(current)``, ``save(current, merged)`` and returns ``merged`` once
     ``save`` - a compare-and-set - returns True. When it returns False (another writer
     got there first) the whole round repeats with fresh data, up to ``attempts`` rounds
-    in all, pausing ``wait`` (a tenacity wait strategy or a
-    :class:`~msgpatterns.Backoff`) between them. After ``attempts`` lost rounds it raises
-    ``NeedRetry(delay=retry_later)``: the message comes back later instead of spinning.
+    in all, pausing ``backoff`` (a :class:`~msgpatterns.Backoff`, or any tenacity wait
+    strategy; ``wait`` is its former name, still accepted) between them. After
+    ``attempts`` lost rounds it raises ``NeedRetry(delay=retry_later)``: the message
+    comes back later instead of spinning.
 
     As a decorator (``@optimistic_update`` or ``@optimistic_update(attempts=5)``): the
     function makes one round itself and returns whether its compare-and-set won; it is
@@ -107,23 +143,38 @@ def optimistic_update(
     Exceptions from ``load``, ``merge`` or ``save`` propagate at once; only a lost
     compare-and-set is retried. Every round must read fresh data: on MySQL/MariaDB
     (REPEATABLE READ) run each round's load in a new transaction.
+
+    Misuse is refused before anything runs: an ``async def`` (or a partial or object
+    wrapping one) as ``load``, ``merge``, ``save`` or the decorated function raises
+    ``TypeError`` - its coroutine object would look like a won compare-and-set - and
+    ``attempts``, ``retry_later`` or ``backoff`` of the wrong kind raise
+    :class:`~msgpatterns.errors.ConfigurationError`.
     """
-    if attempts < 1:
-        raise ValueError("attempts must be at least 1")
+    schedule = _schedule(backoff, wait)
     if load is not None and merge is None and save is None:
-        return _retrying(attempts, retry_later, wait, _falsy).wraps(load)
+        return _decorate(load, _retrying(attempts, retry_later, schedule, _falsy))
     if load is None and merge is None and save is None:
+        _retrying(attempts, retry_later, schedule, _falsy)  # refuse bad options now
 
         def decorate(fn: Callable[P, bool]) -> Callable[P, bool]:
-            return _retrying(attempts, retry_later, wait, _falsy).wraps(fn)
+            return _decorate(fn, _retrying(attempts, retry_later, schedule, _falsy))
 
         return decorate
     if load is None or merge is None or save is None:
         raise TypeError("optimistic_update needs all of load, merge and save (or none)")
+    for what, fn in (("load", load), ("merge", merge), ("save", save)):
+        require_sync_callable(fn, what=what, where="optimistic_update")
+    retrying = _retrying(attempts, retry_later, schedule, _first_lost)
 
     def attempt() -> tuple[bool, Any]:
         current = load()
         merged = merge(current)
         return bool(save(current, merged)), merged
 
-    return _retrying(attempts, retry_later, wait, _first_lost)(attempt)[1]
+    return retrying(attempt)[1]
+
+
+def _decorate(fn: Callable[P, bool], retrying: tenacity.Retrying) -> Callable[P, bool]:
+    """``fn`` retried by ``retrying`` while it returns a falsy result."""
+    require_sync_callable(fn, what="function", where="@optimistic_update")
+    return retrying.wraps(fn)

@@ -12,16 +12,20 @@ Two disciplines from the seed article, over one SQLAlchemy table:
 
 All statements are SQLAlchemy Core with bound parameters. They run on the connection
 you pass, inside your transaction, so the write commits together with your own effects.
+Every method also accepts an :class:`~sqlalchemy.Engine`: the call then runs in a
+transaction of its own (``engine.begin()``), committed when it returns - convenient
+when the guarded write is the handler's only effect.
 A deadlock with a concurrent writer (the database rolled the transaction back) raises
 :class:`~msgpatterns.errors.NeedRetry`: run the handler again in a new transaction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from operator import itemgetter
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError, MalformedMessage, NeedRetry
@@ -33,6 +37,7 @@ from sqlalchemy import (  # noqa: E402
     Column,
     ColumnElement,
     Connection,
+    Engine,
     Index,
     RowMapping,
     Table,
@@ -44,22 +49,34 @@ from sqlalchemy import (  # noqa: E402
     update,
 )
 from sqlalchemy.sql.dml import Insert  # noqa: E402
+from sqlalchemy.sql.expression import TableClause  # noqa: E402
 
+from msgpatterns._sql import Family, family, insert_if_absent  # noqa: E402
 from msgpatterns.ordering.statements import (  # noqa: E402
-    Family,
     deadlocks_retry,
-    family,
-    insert_if_absent,
     latest_wins_insert,
     newer,
 )
+from msgpatterns.sql_sink import copy_connection, copy_transaction, stage_rows  # noqa: E402
 
 __all__ = ["VersionGuard"]
 
 ColumnRef = str | Column[Any]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+G = TypeVar("G", bound="VersionGuard")
+
 #: Most bound parameters one batch statement carries (below every dialect's limit).
 MAX_PARAMETERS = 10_000
+
+#: From this many rows (after dedup) a PostgreSQL batch on psycopg 3 goes by COPY to a
+#: staging table; smaller ones by executemany, which takes fewer round trips.
+COPY_MIN_ROWS = 100
+
+
+def _family(conn: Connection) -> Family:
+    return family(conn, what="VersionGuard")
 
 
 def _is_after(new: Any, old: Any) -> bool:
@@ -68,6 +85,36 @@ def _is_after(new: Any, old: Any) -> bool:
         return bool(new > old)
     except TypeError as exc:
         raise InvalidVersion(f"cannot compare versions {new!r} and {old!r}: {exc}") from exc
+
+
+def _blank(part: Any) -> bool:
+    """A key part that names no row: None, or empty text or bytes."""
+    return part is None or (isinstance(part, str | bytes) and not part)
+
+
+def _on_connection(
+    method: Callable[Concatenate[G, Connection, P], R],
+) -> Callable[Concatenate[G, Connection | Engine, P], R]:
+    """Let ``method`` take an Engine too: it then runs in its own transaction
+    (``engine.begin()``, committed on return, rolled back on error). Anything else as
+    ``conn`` is a :class:`ConfigurationError` naming the argument."""
+
+    @functools.wraps(method)
+    def run(self: G, conn: Connection | Engine, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if isinstance(conn, Connection):
+            return method(self, conn, *args, **kwargs)
+        if isinstance(conn, Engine):
+            with conn.begin() as transaction:
+                return method(self, transaction, *args, **kwargs)
+        hint = " (with an ORM Session pass session.connection())" if hasattr(
+            conn, "connection") else ""
+        raise ConfigurationError(
+            f"VersionGuard.{method.__name__}: conn must be a SQLAlchemy Connection (your "
+            f"transaction: `with engine.begin() as conn`) or an Engine (one transaction "
+            f"per call), got {type(conn).__name__}{hint}"
+        )
+
+    return run
 
 
 class VersionGuard:
@@ -81,18 +128,36 @@ class VersionGuard:
             the database orders. A NULL stored version counts as older than any.
 
     Key values are scalars (a tuple for a composite key); ``values`` map column names
-    to new values and may not contain the key or version columns.
+    to new values and may not contain the key or version columns. A key that is None or
+    empty (``""``, ``b""``) names no row: it raises
+    :class:`~msgpatterns.errors.MalformedMessage` (the message is dead-lettered).
+
+    Every method takes ``conn``: a :class:`~sqlalchemy.Connection` (the statements run
+    in your transaction) or an :class:`~sqlalchemy.Engine` (each call runs in a
+    transaction of its own, committed when it returns). Anything else raises
+    :class:`~msgpatterns.errors.ConfigurationError`, as do a ``table`` that is not a
+    :class:`~sqlalchemy.Table` and ``key``/``version`` that are not columns of it (or
+    names of its columns).
     """
 
     def __init__(
         self, table: Table, key: ColumnRef | Sequence[ColumnRef], version: ColumnRef
     ) -> None:
+        if not isinstance(table, Table):
+            raise ConfigurationError(
+                f"VersionGuard: table must be a SQLAlchemy Table, got {table!r} "
+                f"({type(table).__name__}); describe it with Table(name, MetaData(), "
+                "Column(...), ...) or reflect it with Table(name, MetaData(), "
+                "autoload_with=engine)"
+            )
         refs: Sequence[ColumnRef] = [key] if isinstance(key, str | Column) else key
-        if not refs:
-            raise ConfigurationError("VersionGuard needs at least one key column")
+        if isinstance(refs, bytes) or not isinstance(refs, Sequence) or not refs:
+            raise ConfigurationError(
+                f"VersionGuard: key must name a column (or several), got {key!r}"
+            )
         self.table = table
-        self.key_columns: tuple[Column[Any], ...] = tuple(self._column(r) for r in refs)
-        self.version_column: Column[Any] = self._column(version)
+        self.key_columns: tuple[Column[Any], ...] = tuple(self._column(r, "key") for r in refs)
+        self.version_column: Column[Any] = self._column(version, "version")
         if self.version_column in self.key_columns:
             raise ConfigurationError("the version column cannot be part of the key")
         if not self._key_is_unique():
@@ -103,14 +168,17 @@ class VersionGuard:
         self._fixed = {c.key for c in self.key_columns} | {self.version_column.key}
         self._value_names = {c.key for c in table.columns} - self._fixed
         self._templates: dict[tuple[Family, frozenset[str], bool], Insert] = {}
+        self._copy_templates: dict[tuple[str, frozenset[str], str], Insert] = {}
 
     # -- reading ------------------------------------------------------------------------
 
+    @_on_connection
     def read(self, conn: Connection, key: Any) -> RowMapping | None:
         """The stored row of ``key`` as a mapping, or None."""
         row = conn.execute(select(self.table).where(self._match(key))).first()
         return None if row is None else row._mapping
 
+    @_on_connection
     def stored_version(self, conn: Connection, key: Any) -> Any:
         """The current stored version of ``key``; None if the row is absent or has none.
 
@@ -123,6 +191,7 @@ class VersionGuard:
     # -- strict transitions -------------------------------------------------------------
 
     @deadlocks_retry()
+    @_on_connection
     def compare_and_set(
         self,
         conn: Connection,
@@ -142,7 +211,7 @@ class VersionGuard:
         match = self._match(key)
         if expected is None:
             full = {**self._key_values(key), **row}
-            if insert_if_absent(conn, self.table, self.key_columns, full, family(conn)):
+            if insert_if_absent(conn, self.table, self.key_columns, full, _family(conn)):
                 return True
             # Read before writing: on MySQL the failed INSERT holds a shared lock, and
             # upgrading it for nothing invites deadlocks with concurrent writers.
@@ -155,6 +224,7 @@ class VersionGuard:
         return bool(done.rowcount == 1)
 
     @deadlocks_retry()
+    @_on_connection
     def apply(
         self,
         conn: Connection,
@@ -197,6 +267,7 @@ class VersionGuard:
     # -- latest wins --------------------------------------------------------------------
 
     @deadlocks_retry()
+    @_on_connection
     def upsert_latest(
         self,
         conn: Connection,
@@ -216,7 +287,7 @@ class VersionGuard:
             raise MissingVersion(f"message for key {key!r} has no version")
         row = {**self._key_values(key), **self._values(values)}
         row[self.version_column.key] = version
-        dialect = family(conn)
+        dialect = _family(conn)
         if dialect != "mysql":
             return bool(conn.execute(self._latest_wins(dialect, row), row).rowcount == 1)
         # SQLAlchemy's MySQL drivers connect with CLIENT_FOUND_ROWS, so the row count of
@@ -239,6 +310,7 @@ class VersionGuard:
         return bool(conn.execute(newer_than_stored).rowcount)
 
     @deadlocks_retry()
+    @_on_connection
     def upsert_latest_many(self, conn: Connection, rows: Iterable[Mapping[str, Any]]) -> int:
         """:meth:`upsert_latest` for many rows in one executemany; returns rows written.
 
@@ -256,11 +328,17 @@ class VersionGuard:
         latest = self._latest_per_key(rows)
         if not latest:
             return 0
-        dialect = family(conn)
+        dialect = _family(conn)
         items = list(latest.items())
         with suppress(TypeError):  # one lock order for all writers: fewer deadlocks
             items.sort(key=itemgetter(0))
         columns = items[0][1]
+        if dialect == "postgresql" and len(items) >= COPY_MIN_ROWS:
+            raw = copy_connection(conn)
+            if raw is not None:
+                names = [c.key for c in self.table.columns if c.key in columns]
+                return self._copy_upsert(
+                    conn, raw, names, [tuple([row[n] for n in names]) for _, row in items])
         # Executemany: compiled once, sent in pages by SQLAlchemy. RETURNING yields just
         # the rows written (older SQLite without RETURNING sums the row counts).
         returning = dialect != "mysql" and conn.dialect.insert_returning
@@ -276,6 +354,35 @@ class VersionGuard:
             else:
                 written += conn.execute(template, params).rowcount
         return written
+
+    def _copy_upsert(
+        self, conn: Connection, raw: Any, names: Sequence[str], rows: Sequence[Sequence[Any]]
+    ) -> int:
+        """PostgreSQL with psycopg 3: COPY ``rows`` (value tuples for the columns
+        ``names``, one row per key, no key or version None) into a staging table, then
+        one ``INSERT ... SELECT ... ON CONFLICT DO UPDATE ... WHERE`` (the latest-wins
+        statement) in key order; its row count is the rows written. ``raw`` is
+        :func:`~msgpatterns.sql_sink.copy_connection` of ``conn``."""
+        columns = [self.table.c[n] for n in names]
+        with copy_transaction(raw):
+            staging = stage_rows(conn, self.table, columns, rows)
+            return int(conn.execute(self._from_staging(staging, columns)).rowcount)
+
+    def _from_staging(self, staging: TableClause, columns: list[Column[Any]]) -> Insert:
+        """The latest-wins INSERT of every staging row, in key order (one lock order
+        for concurrent writers), built once per staging table."""
+        cache_key = ("postgresql", frozenset(c.key for c in columns), staging.name)
+        template = self._copy_templates.get(cache_key)
+        if template is None:
+            values = [c for c in columns if c.key not in self._fixed]
+            source = select(*staging.columns).order_by(
+                *(staging.c[c.name] for c in self.key_columns))
+            template = latest_wins_insert(
+                self.table, self.key_columns, self.version_column, values, "postgresql",
+                source=([c.name for c in columns], source),
+            )
+            self._copy_templates[cache_key] = template
+        return template
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -300,11 +407,27 @@ class VersionGuard:
     def _key_names(self) -> set[str]:
         return {c.key for c in self.key_columns}
 
-    def _column(self, ref: ColumnRef) -> Column[Any]:
-        name = ref if isinstance(ref, str) else ref.key
-        if name not in self.table.c:
-            raise ConfigurationError(f"table {self.table.name!r} has no column {name!r}")
-        column: Column[Any] = self.table.c[name]
+    def _column(self, ref: ColumnRef, what: str) -> Column[Any]:
+        """The column of ``self.table`` that ``ref`` (a name or one of its Columns)
+        designates as the ``what`` column."""
+        table = self.table
+        if isinstance(ref, Column):
+            if ref.table is not table:
+                raise ConfigurationError(
+                    f"VersionGuard: {what} column {ref} is not a column of table "
+                    f"{table.name!r}; pass {table.name}.c.<name> or the column name"
+                )
+            return ref
+        if not isinstance(ref, str):
+            raise ConfigurationError(
+                f"VersionGuard: {what} must be a column name or a Column of table "
+                f"{table.name!r}, got {ref!r}"
+            )
+        if ref not in table.c:
+            raise ConfigurationError(
+                f"VersionGuard: {what}: table {table.name!r} has no column {ref!r}"
+            )
+        column: Column[Any] = table.c[ref]
         return column
 
     def _key_is_unique(self) -> bool:
@@ -326,8 +449,8 @@ class VersionGuard:
             raise ConfigurationError(
                 f"key {key!r} does not match key columns {[c.key for c in self.key_columns]}"
             )
-        if any(part is None for part in parts):
-            raise MalformedMessage(f"message has no key (got {key!r})")
+        if any(_blank(part) for part in parts):
+            raise MalformedMessage(f"message has no key: key {key!r} is None or empty")
         return parts
 
     def _key_values(self, key: Any) -> dict[str, Any]:
@@ -366,8 +489,8 @@ class VersionGuard:
             if row.get(version) is None:
                 raise MissingVersion(f"row {dict(row)!r} has no {version!r}")
             key = tuple(row[c.key] for c in self.key_columns)
-            if any(part is None for part in key):
-                raise MalformedMessage(f"row {dict(row)!r} has no key")
+            if any(_blank(part) for part in key):
+                raise MalformedMessage(f"row {dict(row)!r} has no key (None or empty)")
             kept = latest.get(key)
             if kept is None or _is_after(row[version], kept[version]):
                 latest[key] = dict(row)

@@ -10,21 +10,20 @@ is a new query id, so batch ids starting again at 0 are never mistaken for old o
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
-from msgpatterns.spark.resources import SqlSpec, sql_transient_errors
+from msgpatterns.idempotency import StorePolicy
+from msgpatterns.spark.resources import SqlSpec
 
 require("sqlalchemy", "spark")
 
 import sqlalchemy as sa  # noqa: E402
 
-from msgpatterns.ordering.statements import family, insert_if_absent  # noqa: E402
+from msgpatterns import _sql  # noqa: E402
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection, Engine
@@ -62,7 +61,11 @@ class BatchLedger:
         policy: retries when the database fails transiently.
         engine_options: keyword arguments for ``create_engine`` when ``url`` is a URL.
 
-    The ledger lives on the driver; executors never touch it.
+    The ledger lives on the driver; executors never touch it. It never changes the
+    characteristics (isolation level, autocommit) of the engine's connections: each
+    read runs on a plain connection, each write in a short transaction committed at
+    once, so a connection the server dropped is invalidated by SQLAlchemy as usual and
+    never leaked by a reset at check-in.
     """
 
     def __init__(
@@ -85,28 +88,15 @@ class BatchLedger:
         self.retain = retain
         self.policy = policy if policy is not None else StorePolicy()
         self.clock = clock
-        self._transient = sql_transient_errors()
-        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-        self._created = False
-        self._create_lock = threading.Lock()
+        self._transient = _sql.transient_errors()
+        self._ensure = _sql.OnFirstUse(
+            lambda: self._io(lambda: _sql.create_table(self.engine, self.table), "create_table"))
 
     # -- schema ---------------------------------------------------------------------------
 
     def create_table(self) -> None:
         """Create the ledger table if it is missing (done on first use anyway)."""
-        if self._created:
-            return
-        with self._create_lock:
-            if not self._created:
-                self._io(self._create, "create_table")
-                self._created = True
-
-    def _create(self) -> None:
-        try:
-            self.table.create(self.engine, checkfirst=True)
-        except sa.exc.DBAPIError:
-            if not sa.inspect(self.engine).has_table(self.table.name):
-                raise  # not a race with another process creating it
+        self._ensure()
 
     # -- queries --------------------------------------------------------------------------
 
@@ -116,7 +106,7 @@ class BatchLedger:
         match = self._match(sink_id, query_id, batch_id)
 
         def lookup() -> bool:
-            with self._autocommit.connect() as conn:
+            with self.engine.connect() as conn:
                 return conn.execute(sa.select(sa.literal(1)).where(match)).first() is not None
 
         return self._io(lookup, "is_recorded")
@@ -130,7 +120,7 @@ class BatchLedger:
         )
 
         def lookup() -> int | None:
-            with self._autocommit.connect() as conn:
+            with self.engine.connect() as conn:
                 found = conn.execute(query).scalar()
             return None if found is None else int(found)
 
@@ -154,14 +144,14 @@ class BatchLedger:
             return self._insert(conn, row)
 
         def insert() -> bool:
-            with self._autocommit.connect() as own:
+            with self.engine.begin() as own:
                 return self._insert(own, row)
 
         return self._io(insert, "record")
 
     def _insert(self, conn: Connection, row: dict[str, Any]) -> bool:
         keys = [self.table.c.sink_id, self.table.c.query_id, self.table.c.batch_id]
-        fresh = insert_if_absent(conn, self.table, keys, row, family(conn))
+        fresh = _sql.insert_if_absent(conn, self.table, keys, row)
         batch_id = row["batch_id"]
         if fresh and self.retain is not None and batch_id and batch_id % self.retain == 0:
             c = self.table.c
@@ -184,7 +174,7 @@ class BatchLedger:
             stmt = stmt.where(c.query_id == query_id)
 
         def delete() -> int:
-            with self._autocommit.connect() as conn:
+            with self.engine.begin() as conn:
                 return int(conn.execute(stmt).rowcount)
 
         return self._io(delete, "forget")
@@ -192,7 +182,7 @@ class BatchLedger:
     def drop_table(self) -> None:
         """Drop the ledger table (tests and tear-down)."""
         self.table.drop(self.engine, checkfirst=True)
-        self._created = False
+        self._ensure.reset()
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -202,7 +192,7 @@ class BatchLedger:
                        c.batch_id == int(batch_id))
 
     def _io(self, fn: Callable[[], T], what: str) -> T:
-        return call_with_retries(fn, self.policy, self._transient, what=f"BatchLedger.{what}")
+        return self.policy.call(fn, self._transient, what=f"BatchLedger.{what}")
 
     def __repr__(self) -> str:
         url = self.engine.url.render_as_string(hide_password=True)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from msgpatterns.idempotency.base import Checker
 
-__all__ = ["SqlSpec", "checker_for", "sql_transient_errors"]
+__all__ = ["SqlSpec", "checker_for"]
 
 T = TypeVar("T")
 
@@ -115,13 +115,6 @@ class SqlSpec:
         sa = require("sqlalchemy", "sql")
         text: str = sa.engine.make_url(self.url).render_as_string(hide_password=True)
         return text
-
-
-def sql_transient_errors() -> tuple[type[BaseException], ...]:
-    """SQLAlchemy errors worth retrying: the connection was lost or timed out."""
-    sa = require("sqlalchemy", "sql")
-    return (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.DisconnectionError,
-            sa.exc.TimeoutError)
 
 
 def checker_for(spec: CheckerSpec) -> Checker:

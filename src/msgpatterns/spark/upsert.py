@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError, MalformedMessage
-from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
+from msgpatterns.idempotency import StorePolicy
 from msgpatterns.ordering.errors import MissingVersion
-from msgpatterns.spark.resources import SqlSpec, sql_transient_errors
+from msgpatterns.spark.resources import SqlSpec
 
 require("sqlalchemy", "spark")
 
@@ -82,7 +82,12 @@ class _Target:
 
 class _WritePartition:
     """The ``foreachPartition`` function: one connection, chunks of ``batch_size`` rows,
-    each chunk one statement in its own transaction (retried on a lost connection)."""
+    each chunk one statement in its own transaction (retried on a lost connection).
+
+    On PostgreSQL through psycopg 3 a chunk is COPYed into a staging table and written
+    by one ``INSERT ... SELECT ... ON CONFLICT DO UPDATE ... WHERE`` older: Spark already
+    keeps one row per key, so the rows go as they are, without a per-row mapping.
+    """
 
     def __init__(self, target: _Target, batch_size: int,
                  counters: tuple[Accumulator[int], Accumulator[int], Accumulator[int]]) -> None:
@@ -91,23 +96,32 @@ class _WritePartition:
         self.counters = counters
 
     def __call__(self, rows: Iterator[Row]) -> None:
+        from msgpatterns.sql_sink import copy_connection
+
         tally = [0]  # input rows behind the records read so far
-        records = self._records(rows, tally)
+        names: list[str] = []
+        records = self._records(rows, tally, names)
         chunk = list(islice(records, self.batch_size))
         if not chunk:
             return  # an empty partition opens no connection
         target = self.target
         guard = target.guard()
-        transient = sql_transient_errors()
+        from msgpatterns._sql import transient_errors
+
+        transient = transient_errors()
         keys = written = 0
         with target.sql.engine().connect() as conn:
             while chunk:
-                def write(chunk: list[dict[str, Any]] = chunk) -> int:
+                def write(chunk: list[tuple[Any, ...]] = chunk) -> int:
                     with conn.begin():
-                        return guard.upsert_latest_many(conn, chunk)
+                        raw = copy_connection(conn)
+                        if raw is not None:
+                            return guard._copy_upsert(conn, raw, names, chunk)
+                        return guard.upsert_latest_many(
+                            conn, [dict(zip(names, values, strict=True)) for values in chunk])
 
-                written += call_with_retries(write, target.policy, transient,
-                                             what=f"upsert_latest into {target.table}")
+                written += target.policy.call(write, transient,
+                                              what=f"upsert_latest into {target.table}")
                 keys += len(chunk)
                 chunk = list(islice(records, self.batch_size))
         rows_counter, keys_counter, written_counter = self.counters
@@ -115,20 +129,22 @@ class _WritePartition:
         keys_counter.add(keys)
         written_counter.add(written)
 
-    def _records(self, rows: Iterator[Row], tally: list[int]) -> Iterator[dict[str, Any]]:
-        """The rows to write, without the two helper columns (they come last); adds the
+    def _records(self, rows: Iterator[Row], tally: list[int],
+                 names: list[str]) -> Iterator[tuple[Any, ...]]:
+        """The rows to write as value tuples, without the two helper columns (they come
+        last; ``names`` is filled with the column names on the first row); adds the
         input rows each stands for to ``tally[0]``."""
-        names: list[str] | None = None
         key_at: list[int] = []
         for row in rows:
-            if names is None:
-                names = list(row.__fields__[:-2])
+            if not names:
+                names.extend(row.__fields__[:-2])
                 key_at = [names.index(k) for k in self.target.key]
-            *values, count, missing = row
+            values = tuple(row[:-2])
+            count, missing = row[-2], row[-1]
             if missing or any(values[i] is None for i in key_at):
                 self._reject(dict(zip(names, values, strict=True)), count, missing)
             tally[0] += count
-            yield dict(zip(names, values, strict=True))
+            yield values
 
     def _reject(self, record: dict[str, Any], rows: int, missing: int) -> None:
         key = tuple(record[k] for k in self.target.key)

@@ -1,0 +1,139 @@
+"""``publish_many`` on the adapters (issue 13, item 6): ids in order, each message as
+``publish`` would send it, one round trip per batch, and the failure semantics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from broker_harness import Harness, drain, make_harness
+from msgpatterns.brokers import Outgoing, PartialPublish
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=[
+    "memory",
+    pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("kafka", marks=pytest.mark.kafka),
+    pytest.param("nats", marks=pytest.mark.nats),
+    pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    yield from make_harness(request.param)
+
+
+def test_publish_many_sends_each_message_like_publish(harness: Harness) -> None:
+    broker: Any = harness.broker()
+    items = [b"plain", Outgoing(b"keyed", key="k1", headers={"trace": "t1"}),
+             *(Outgoing(f"m{n}".encode(), key="k2") for n in range(20))]
+    ids = broker.publish_many(harness.topic, items)
+    assert len(ids) == len(items) == len(set(ids))
+    single = broker.publish(harness.topic, b"after", key="k1")
+
+    got = drain(broker, harness.topic, harness.group, count=len(items) + 1, batch=50)
+    by_id = {m.id: m for m in got}
+    assert set(by_id) == {*ids, single}
+    assert by_id[ids[0]].raw_body == b"plain" and by_id[ids[0]].key is None
+    keyed = by_id[ids[1]]
+    assert (keyed.raw_body, keyed.key, keyed.headers.get("trace")) == (b"keyed", "k1", "t1")
+    same_key = [m.raw_body for m in got if m.key == "k2"]
+    assert same_key == [f"m{n}".encode() for n in range(20)]  # a key keeps its order
+    assert all(m.attempt == 1 for m in got)
+    for m in got:
+        broker.ack(m)
+
+
+def test_publish_many_confirms_every_message_of_a_large_batch(harness: Harness) -> None:
+    """Confirms that arrive while the batch is still being written count too."""
+    broker: Any = harness.broker()
+    for _ in range(2):
+        ids = broker.publish_many(harness.topic, [str(i).encode() for i in range(1000)])
+        assert len(set(ids)) == 1000
+
+
+def test_publish_many_refuses_one_body_and_accepts_none(harness: Harness) -> None:
+    broker: Any = harness.broker()
+    with pytest.raises(TypeError, match="sequence of bodies"):
+        broker.publish_many(harness.topic, b"one body")
+    assert broker.publish_many(harness.topic, []) == []
+
+
+@pytest.mark.redis
+def test_redis_publish_many_refused_adds_nothing(unique: str) -> None:
+    import redis
+
+    from msgpatterns.brokers import RedisStreamsBroker
+    from msgpatterns.errors import BrokerError
+    from msgpatterns.testing import services
+
+    client = redis.Redis.from_url(services.require("redis"))
+    broker = RedisStreamsBroker(client)
+    topic = f"pm-{unique}"
+    try:
+        client.set(topic, "not a stream")
+        with pytest.raises(BrokerError, match="WRONGTYPE"):
+            broker.publish_many(topic, [b"a", b"b"])
+        assert client.type(topic) == b"string"
+    finally:
+        broker.close()
+        client.delete(topic)
+        client.close()
+
+
+class _FlakyProducer:
+    """A confluent-kafka Producer stand-in that refuses the second record's delivery."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Any] = []
+        self.count = 0
+
+    def list_topics(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def produce(self, topic: str, **kwargs: Any) -> None:
+        self.count += 1
+        self.waiting.append((self.count, kwargs["on_delivery"]))
+
+    def flush(self, timeout: float = 0) -> int:
+        for n, callback in self.waiting:
+            callback("broker said no" if n == 2 else None, object())
+        self.waiting = []
+        return 0
+
+    poll = flush
+
+
+def test_kafka_publish_many_reports_which_were_confirmed() -> None:
+    pytest.importorskip("confluent_kafka")
+    from msgpatterns.brokers import KafkaBroker
+
+    broker = KafkaBroker("localhost:1", producer=_FlakyProducer())
+    with pytest.raises(PartialPublish) as caught:
+        broker.publish_many("t", [b"a", b"b", b"c"])
+    ids = caught.value.ids
+    assert ids[0] is not None and ids[1] is None and ids[2] is not None
+    assert caught.value.confirmed == 2 and "2 of 3" in str(caught.value)
+
+
+@pytest.mark.rabbitmq
+def test_rabbitmq_publish_many_to_a_missing_exchange_sends_nothing(unique: str) -> None:
+    from msgpatterns.brokers import RabbitMQBroker
+    from msgpatterns.errors import UnroutableError
+    from msgpatterns.testing import services
+
+    with RabbitMQBroker(services.require("rabbitmq")) as broker:
+        with pytest.raises(PartialPublish) as caught:
+            broker.publish_many(f"nowhere-{unique}", [b"a", b"b"])
+        assert caught.value.ids == [None, None]
+        assert isinstance(caught.value.__cause__, UnroutableError)
+        topic = f"pm-{unique}"
+        broker.subscribe(topic, "g")  # the batch channel is usable again afterwards
+        try:
+            assert len(broker.publish_many(topic, [b"c", b"d"])) == 2
+        finally:
+            from broker_harness import delete_rabbitmq_topology
+
+            delete_rabbitmq_topology(services.url("rabbitmq"), topic, "g")
