@@ -18,6 +18,7 @@ from msgpatterns.errors import (
     InProgress,
     MalformedMessage,
     NeedRetry,
+    PartialFailure,
     Reject,
 )
 from msgpatterns.message import Message
@@ -53,6 +54,7 @@ __all__ = [
     "MultipleQueueFlusher",
     "NeedRetry",
     "OrderedExecutor",
+    "PartialFailure",
     "RedisChecker",
     "Reject",
     "RetryPolicy",

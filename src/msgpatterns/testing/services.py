@@ -18,12 +18,14 @@ __all__ = ["SERVICES", "require", "services_required"]
 SERVICES: dict[str, tuple[str, str]] = {
     # name: (environment variable, default URL)
     "redis": ("MSGPATTERNS_REDIS_URL", "redis://127.0.0.1:6379/15"),
-    "postgres": ("MSGPATTERNS_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"),
+    "postgres": ("MSGPATTERNS_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"),
     "mysql": ("MSGPATTERNS_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"),
     "rabbitmq": ("MSGPATTERNS_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+    "nats": ("MSGPATTERNS_NATS_URL", "nats://127.0.0.1:4222"),
 }
 
-_DEFAULT_PORTS = {"redis": 6379, "postgres": 5432, "mysql": 3306, "rabbitmq": 5672}
+_DEFAULT_PORTS = {"redis": 6379, "postgres": 5432, "mysql": 3306, "rabbitmq": 5672,
+                  "nats": 4222}
 
 
 def services_required() -> bool:

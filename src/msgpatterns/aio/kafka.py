@@ -1,0 +1,35 @@
+"""AsyncKafkaBroker: the :class:`~msgpatterns.aio.base.AsyncBroker` protocol on Kafka.
+
+It is the sync :class:`~msgpatterns.brokers.KafkaBroker` (confluent-kafka) run in
+worker threads - the mechanism of confluent-kafka's own asyncio API
+(``confluent_kafka.aio``, which runs the sync client in an executor) - so the topics
+(``T``, ``T.retry``, ``T.DLT``), the wire format, the offset tracking (never commit
+past an unsettled record), the due-time pausing of retry partitions, rebalance handling
+and every other guarantee are the sync adapter's, in one place. A message retried by
+one is read by the other.
+
+The constructor connects like the sync one (it may block up to ``connect_timeout``):
+build it before the loop starts, or with ``await asyncio.to_thread(AsyncKafkaBroker,
+...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from msgpatterns.aio.threaded import ThreadedAsyncBroker
+from msgpatterns.brokers.kafka import KafkaBroker
+
+__all__ = ["AsyncKafkaBroker"]
+
+
+class AsyncKafkaBroker(ThreadedAsyncBroker):
+    """``AsyncKafkaBroker(bootstrap_or_config, **options)``: the options of
+    :class:`~msgpatterns.brokers.KafkaBroker`; :attr:`sync` is that broker (its
+    dead-letter admin, ``commit``, ...)."""
+
+    sync: KafkaBroker
+
+    def __init__(self, bootstrap_or_config: str | Mapping[str, Any], **options: Any) -> None:
+        super().__init__(KafkaBroker(bootstrap_or_config, **options))

@@ -1,0 +1,466 @@
+"""AsyncRedisStreamsBroker: the :class:`~msgpatterns.aio.base.AsyncBroker` protocol on
+Redis Streams consumer groups, with ``redis.asyncio``.
+
+Same keys, same entries, same Lua scripts and the same entry decoding as the sync
+:class:`~msgpatterns.brokers.RedisStreamsBroker` (this module calls them; it does not
+copy them), so the two read each other's messages, retries and dead letters, and
+``msgpatterns dlq`` (the sync adapter's admin) manages the dead letters of both:
+
+* ``S`` - the topic stream; ``S:retry:G`` - group ``G``'s redeliveries;
+  ``S:delayed:G`` - its delayed retries (sorted by due time, Redis server clock);
+  ``S:dlq`` - dead letters with the full record.
+* At least once: a delivery stays pending until acked, moved to the retry path or
+  dead-lettered; one left pending longer than ``visibility_timeout`` is claimed by
+  another consumer (XAUTOCLAIM) with its delivery count, so the attempt is durable.
+* Moving a delivery (nack, dead letter) is one Lua script: copy written and original
+  acked together or not at all; a settlement from a consumer whose delivery was
+  claimed meanwhile does nothing.
+* An entry that cannot be decoded is dead-lettered on its own with the reason; the
+  rest of the fetch is delivered.
+* A lost consumer group (NOGROUP) is re-created at ``0`` and logged as an error.
+
+Differences from the sync adapter: acks are sent at once (no ack batching: a crash
+loses none); a connection failure is retried by redis-py's own ``Retry`` policy, then
+raises :class:`~msgpatterns.errors.BrokerUnavailable`; the dead-letter admin
+(list/replay/purge) stays on the sync adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+from msgpatterns._extras import require
+from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._batch import outgoing
+from msgpatterns.brokers.redis_streams import (
+    _CLAIM,
+    _PROMOTE,
+    _SETTLE,
+    RedisStreamsBroker,
+    _b,
+    _pack,
+    _Receipt,
+)
+from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable
+from msgpatterns.message import Message
+
+redis = require("redis", "redis")
+aioredis: Any = importlib.import_module("redis.asyncio")
+
+__all__ = ["AsyncRedisStreamsBroker"]
+
+log = logging.getLogger("msgpatterns.aio.redis")
+
+T = TypeVar("T")
+
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+_AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
+
+_entry = RedisStreamsBroker._entry  # the entry's fields: body, and headers as JSON
+_retry_stream = RedisStreamsBroker.retry_stream
+_delayed_set = RedisStreamsBroker.delayed_set
+_dead_letter_stream = RedisStreamsBroker.dead_letter_stream
+_message_id = RedisStreamsBroker.message_id
+
+
+class _NoGroup(BrokerError):
+    """Redis answered NOGROUP: the consumer group (or its stream) is gone."""
+
+
+class _Decoder:
+    """The sync adapter's entry decoding (``RedisStreamsBroker._message``) without its
+    I/O: an undecodable entry's dead letter is collected in :attr:`buried` for the
+    async adapter to send."""
+
+    message_id = staticmethod(RedisStreamsBroker.message_id)
+
+    def __init__(self, consumer: str) -> None:
+        self.consumer = consumer
+        self.buried: list[tuple[Message, DeadLetter]] = []
+
+    def message(self, topic: str, stream: str, retry: bool, group: str, entry_id: Any,
+                raw: Any, deliveries: int) -> Message | None:
+        decode = cast(Any, RedisStreamsBroker._message)
+        return cast("Message | None", decode(self, topic, stream, retry, group, entry_id,
+                                             raw, deliveries))
+
+    def _bury_malformed(self, *args: Any) -> None:
+        cast(Any, RedisStreamsBroker._bury_malformed)(self, *args)
+
+    def _bury(self, message: Message, record: DeadLetter) -> None:
+        self.buried.append((message, record))
+
+
+class AsyncRedisStreamsBroker:
+    """The async Broker protocol on Redis Streams (see the module docstring).
+
+    Args:
+        client_or_url: a ``redis.asyncio.Redis`` client (shared; not closed by
+            :meth:`close`; it must not decode responses) or a ``redis://`` URL.
+        consumer: this consumer's name in its groups (default: host, pid, random).
+        visibility_timeout: seconds a delivery may stay unsettled before another
+            consumer claims it (keep it above the consumer's ``ack_timeout``).
+        claim_interval: how often a fetch looks for stale deliveries (default: a
+            quarter of the visibility timeout, at most 30 s).
+        maxlen: approximate cap of each topic stream on publish (None: no trimming).
+        dead_letter_maxlen: approximate cap of each dead-letter stream (None).
+        start_id: where a new group starts: ``"0"`` (default) or ``"$"``.
+        promote_interval: how often a fetch moves due delayed retries into the retry
+            stream (a retry is at most this late).
+    """
+
+    def __init__(
+        self,
+        client_or_url: Any,
+        *,
+        consumer: str | None = None,
+        visibility_timeout: float = 1800.0,
+        claim_interval: float | None = None,
+        maxlen: int | None = None,
+        dead_letter_maxlen: int | None = None,
+        start_id: str = "0",
+        promote_interval: float = 0.05,
+    ) -> None:
+        if visibility_timeout <= 0:
+            raise ValueError("visibility_timeout must be positive")
+        if isinstance(client_or_url, str):
+            self._redis = aioredis.Redis.from_url(client_or_url)
+            self._owns_client = True
+        else:
+            self._redis = client_or_url
+            self._owns_client = False
+        self.consumer = consumer or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.visibility_timeout = visibility_timeout
+        self.claim_interval = (claim_interval if claim_interval is not None
+                               else min(max(visibility_timeout / 4, 0.05), 30.0))
+        self.maxlen = maxlen
+        self.dead_letter_maxlen = dead_letter_maxlen
+        self.start_id = start_id
+        self.promote_interval = promote_interval
+        self._settle_script = self._redis.register_script(_SETTLE)
+        self._promote_script = self._redis.register_script(_PROMOTE)
+        self._claim_script = self._redis.register_script(_CLAIM)
+        self._groups: set[tuple[str, str]] = set()
+        self._claim_at: dict[tuple[str, str], float] = {}
+        self._cursors: dict[tuple[str, str], bytes] = {}
+        self._promote_at: dict[tuple[str, str], float] = {}
+        self._next_due: dict[tuple[str, str], float] = {}
+        self._closed = False
+        self._fetches = 0
+        self._no_fetch = asyncio.Event()
+        self._no_fetch.set()
+
+    # -- AsyncBroker protocol ---------------------------------------------------------
+
+    def now(self) -> float:
+        return time.time()
+
+    async def publish(self, topic: str, body: Any, *, key: str | None = None,
+                      headers: Mapping[str, str] | None = None) -> str:
+        """Add a message to stream ``topic``; returns its id (``"<topic>/<entry id>"``)."""
+        self._check_open()
+        fields = _entry(body_bytes(body), codec.wire_headers(headers, key=key))
+        entry_id = await self._do(self._redis.xadd, topic, fields, maxlen=self.maxlen,
+                                  approximate=True)
+        return _message_id(topic, codec.text(entry_id))
+
+    async def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
+        """Add ``items`` in one MULTI/EXEC (all or nothing); returns their ids."""
+        self._check_open()
+        entries = [_entry(body_bytes(item.body), codec.wire_headers(item.headers, key=item.key))
+                   for item in outgoing(items)]
+        if not entries:
+            return []
+
+        async def send() -> Any:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for fields in entries:
+                    pipe.xadd(topic, fields, maxlen=self.maxlen, approximate=True)
+                return await pipe.execute()
+
+        return [_message_id(topic, codec.text(e)) for e in await self._do(send)]
+
+    async def subscribe(self, topic: str, group: str) -> None:
+        """Create ``group`` on ``topic`` now (a fetch does it otherwise)."""
+        self._check_open()
+        await self._ensure_groups([topic], group)
+
+    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
+                    timeout: float = 0.0) -> list[Message]:
+        """Up to ``max_messages`` deliveries: stale ones claimed from dead consumers,
+        due retries, then new entries (waiting up to ``timeout`` seconds). A fetch that
+        returns after :meth:`close` began hands back what it read and raises
+        :class:`~msgpatterns.errors.BrokerClosed`."""
+        if isinstance(topics, str):
+            topics = [topics]
+        self._check_open()
+        self._fetches += 1
+        self._no_fetch.clear()
+        try:
+            out = await self._fetch(list(topics), group, max_messages, timeout)
+            if self._closed:
+                await self._hand_back(out)
+                raise BrokerClosed(f"{self!r} was closed during the fetch")
+            return out
+        finally:
+            self._fetches -= 1
+            if not self._fetches:
+                self._no_fetch.set()
+
+    async def ack(self, message: Message) -> None:
+        """XACK the delivery (and XDEL a retry-stream entry) now."""
+        self._check_open()
+        r = self._receipt(message)
+
+        async def send() -> None:
+            if not r.retry:
+                await self._redis.xack(r.stream, r.group, r.entry_id)
+                return
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xack(r.stream, r.group, r.entry_id)
+                pipe.xdel(r.stream, r.entry_id)
+                await pipe.execute()
+
+        await self._do(send)
+
+    async def nack(self, message: Message, delay: float = 0.0) -> None:
+        """Redeliver after ``delay`` seconds to this group only, with ``attempt + 1``,
+        the original payload and the message's headers as they are now."""
+        self._check_open()
+        await self._redeliver(message, delay)
+
+    async def dead_letter(self, message: Message, record: DeadLetter) -> None:
+        """Add the record to ``<topic>:dlq`` and remove the delivery, atomically."""
+        self._check_open()
+        await self._bury(message, record)
+
+    async def close(self) -> None:
+        """No operation starts any more (each raises BrokerClosed); a fetch in progress
+        (bounded by its timeout) hands back what it read; the client is closed if this
+        broker created it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._no_fetch.wait()
+        finally:
+            if self._owns_client:
+                await self._redis.aclose()
+
+    async def __aenter__(self) -> AsyncRedisStreamsBroker:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerClosed(f"{self!r} is closed")
+
+    async def _do(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """``await fn(*args, **kwargs)`` with redis-py's exceptions as the library's."""
+        try:
+            return await fn(*args, **kwargs)
+        except BrokerError:
+            raise
+        except _AUTH_ERRORS as exc:
+            raise BrokerUnavailable(f"redis refused the credentials ({self!r}): {exc}"
+                                    ) from exc
+        except _CONNECTION_ERRORS as exc:
+            if self._closed:
+                raise BrokerClosed(f"{self!r} was closed during a redis call") from exc
+            raise BrokerUnavailable(f"redis unreachable ({self!r}): {exc}") from exc
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                raise _NoGroup(str(exc)) from exc
+            raise BrokerError(f"redis refused a command ({self!r}): {exc}") from exc
+        except redis.RedisError as exc:
+            raise BrokerError(f"redis call failed ({self!r}): {exc}") from exc
+
+    async def _recovering(self, topics: Sequence[str], group: str,
+                          fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(*args)``; if the group is gone (NOGROUP), re-create it, again."""
+        try:
+            return await fn(*args)
+        except _NoGroup:
+            self._groups -= {g for g in self._groups if g[1] == group}
+            await self._ensure_groups(topics, group, lost=True)
+            return await fn(*args)
+
+    async def _ensure_groups(self, topics: Sequence[str], group: str,
+                             lost: bool = False) -> None:
+        for topic in topics:
+            for stream in (topic, _retry_stream(topic, group)):
+                if (stream, group) in self._groups:
+                    continue
+                try:
+                    await self._do(self._redis.xgroup_create, stream, group,
+                                   id="0" if lost else self.start_id, mkstream=True)
+                    if lost:
+                        log.error("%s: consumer group %r of stream %r was lost; re-created "
+                                  "it at 0 (its pending deliveries are gone; entries still "
+                                  "in the stream are read again)", self.consumer, group,
+                                  stream)
+                except BrokerError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+                self._groups.add((stream, group))
+
+    async def _fetch(self, topics: list[str], group: str, max_messages: int,
+                     timeout: float) -> list[Message]:
+        await self._ensure_groups(topics, group)
+        decoder = _Decoder(self.consumer)
+        wait = timeout
+        now = time.monotonic()
+        for topic in topics:
+            slot = (topic, group)
+            if now >= self._promote_at.get(slot, 0.0):
+                await self._recovering(topics, group, self._promote, topic, group,
+                                       max(max_messages, 100), now)
+            due = self._next_due.get(slot)
+            if due is not None:  # block no longer than until a known retry is due
+                wait = min(wait, max(0.0, due - now))
+        out = await self._recovering(topics, group, self._claim_stale, topics, group,
+                                     max_messages, decoder)
+        remaining = max_messages - len(out)
+        if remaining > 0:
+            block = None if out or wait <= 0 else max(1, int(wait * 1000))
+            got = await self._recovering(topics, group, self._read, topics, group,
+                                         remaining, block, decoder)
+            out.extend(got[:remaining])
+            await self._hand_back(got[remaining:])  # several streams gave COUNT each
+        for message, record in decoder.buried:
+            await self._bury(message, record)
+        return out
+
+    async def _promote(self, topic: str, group: str, limit: int, now: float) -> None:
+        moved, until_due = await self._do(
+            self._promote_script,
+            keys=[_delayed_set(topic, group), _retry_stream(topic, group)], args=[limit])
+        if int(moved):
+            log.debug("%s: %d delayed retries of %s due", group, int(moved), topic)
+        again = now + self.promote_interval
+        if int(until_due) >= 0:
+            due = now + int(until_due) / 1000
+            self._next_due[(topic, group)] = due
+            again = min(again, due)
+        else:
+            self._next_due.pop((topic, group), None)
+        self._promote_at[(topic, group)] = again
+
+    async def _claim_stale(self, topics: Sequence[str], group: str, limit: int,
+                           decoder: _Decoder) -> list[Message]:
+        out: list[Message] = []
+        now = time.monotonic()
+        for topic in topics:
+            for stream, retry in ((topic, False), (_retry_stream(topic, group), True)):
+                slot = (stream, group)
+                if now < self._claim_at.get(slot, 0.0) or len(out) >= limit:
+                    continue
+                cursor, entries, deleted = await self._do(
+                    self._claim_script, keys=[stream],
+                    args=[group, self.consumer, int(self.visibility_timeout * 1000),
+                          self._cursors.get(slot, b"0-0"), limit - len(out)])
+                self._cursors[slot] = cursor
+                more = codec.text(cursor) != "0-0"
+                self._claim_at[slot] = now if more else now + self.claim_interval
+                if deleted:
+                    log.error("%s: %d pending entries of %s were trimmed before being "
+                              "processed: %s", group, len(deleted), stream, deleted[:10])
+                for entry_id, fields, deliveries in entries:
+                    message = decoder.message(topic, stream, retry, group, entry_id,
+                                              fields, int(deliveries))
+                    if message is not None:
+                        out.append(message)
+        return out
+
+    async def _read(self, topics: Sequence[str], group: str, count: int, block: int | None,
+                    decoder: _Decoder) -> list[Message]:
+        streams: dict[str, str] = {}
+        origin: dict[str, tuple[str, bool]] = {}
+        for topic in topics:
+            retry_key = _retry_stream(topic, group)
+            streams[retry_key] = ">"
+            streams[topic] = ">"
+            origin[retry_key] = (topic, True)
+            origin[topic] = (topic, False)
+        reply = await self._do(self._redis.xreadgroup, group, self.consumer, streams,
+                               count=count, block=block)
+        out: list[Message] = []
+        pairs = reply.items() if isinstance(reply, dict) else reply or []
+        for stream_name, entries in pairs:
+            stream = codec.text(stream_name)
+            topic, retry = origin[stream]
+            for entry in entries[0] if isinstance(reply, dict) else entries:
+                entry_id, fields = entry
+                if fields is None:  # trimmed while pending
+                    continue
+                message = decoder.message(topic, stream, retry, group, entry_id, fields, 1)
+                if message is not None:
+                    out.append(message)
+        return out
+
+    async def _hand_back(self, messages: Sequence[Message]) -> None:
+        """Return deliveries no handler saw, their attempt unchanged."""
+        for message in messages:
+            await self._redeliver(message, 0.0, attempt=message.attempt)
+
+    async def _redeliver(self, message: Message, delay: float,
+                         attempt: int | None = None) -> None:
+        r = self._receipt(message)
+        fields = _entry(body_bytes(message.raw_body),
+                        codec.redelivery_headers(message, group=r.group, attempt=attempt))
+        if delay > 0:
+            flat = [_b(x) for pair in fields.items() for x in pair]
+            member = _pack([f"{r.stream}/{r.entry_id}".encode(), *flat])
+            moved = await self._move(r, _delayed_set(r.topic, r.group), "zset", [member],
+                                     delay_ms=max(1, round(delay * 1000)))
+            due = time.monotonic() + delay
+            slot = (r.topic, r.group)
+            self._next_due[slot] = min(self._next_due.get(slot, due), due)
+            self._promote_at[slot] = min(self._promote_at.get(slot, due), due)
+        else:
+            moved = await self._move(r, _retry_stream(r.topic, r.group), "stream", fields)
+        if not moved:
+            log.debug("nack of %s ignored: claimed by another consumer", message.id)
+
+    async def _bury(self, message: Message, record: DeadLetter) -> None:
+        r = self._receipt(message)
+        fields = _entry(codec.dead_letter_body(record), codec.dead_letter_headers(record))
+        moved = await self._move(r, _dead_letter_stream(r.topic), "stream", fields,
+                                 maxlen=self.dead_letter_maxlen)
+        if not moved:
+            log.debug("dead letter of %s ignored: claimed by another consumer", message.id)
+
+    async def _move(self, r: _Receipt, target: str, mode: str,
+                    fields: Mapping[str, Any] | list[bytes], *, delay_ms: int = 0,
+                    maxlen: int | None = None) -> bool:
+        values = fields if isinstance(fields, list) else [
+            x for pair in fields.items() for x in pair]
+        result = await self._recovering(
+            [r.topic], r.group, self._do, self._settle_script, [r.stream, target],
+            [r.group, self.consumer, r.entry_id, "1" if r.retry else "0", mode, delay_ms,
+             "" if maxlen is None else maxlen, *values])
+        return bool(result)
+
+    @staticmethod
+    def _receipt(message: Message) -> _Receipt:
+        receipt = message.receipt
+        if not isinstance(receipt, _Receipt):
+            raise ValueError(f"{message!r} was not delivered by a Redis Streams broker")
+        return receipt
+
+    def __repr__(self) -> str:
+        return f"AsyncRedisStreamsBroker(consumer={self.consumer!r})"

@@ -1,0 +1,155 @@
+"""Celery: idempotent ``acks_late`` tasks with msgpatterns' retry schedule and dead
+letters.
+
+::
+
+    @idempotent_task(app, checker, key=lambda order_id, amount: order_id,
+                     policy=RetryPolicy(max_attempts=5), dead_letters=store)
+    def charge(order_id: str, amount: int) -> None: ...
+
+    charge.delay("o-1", 500)
+
+Guarantees:
+
+* The task is registered with ``acks_late=True``: the broker redelivers a task whose
+  worker died mid-way, and ``@idempotent`` (``checker``) runs the body at most once per
+  key - the ``key`` callable receives exactly the task's arguments; without ``key``
+  the key is the Celery task id (kept by Celery's retries and by redeliveries, not by
+  a second ``delay()`` call).
+* Every outcome goes through :func:`msgpatterns.settlement.settle`
+  (``RetryPolicy.decide``): success returns the result; ``NeedRetry()`` retries
+  in-process; ``NeedRetry(delay)``, ``InProgress`` and ordinary errors call Celery's
+  ``self.retry(countdown=<the policy's delay>, max_retries=max_attempts - 1)``;
+  ``Reject``, ``fatal`` errors and the last attempt put the full
+  :class:`~msgpatterns.DeadLetter` record into ``dead_letters`` and fail the task with
+  the error (no Celery retry).
+* The attempt number is durable: Celery's ``request.retries`` travels in the task
+  message, attempt = retries + 1.
+* Celery's own ``Retry``, ``Ignore`` and ``Reject`` raised by the body pass through.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from msgpatterns._callables import require_sync_callable
+from msgpatterns._extras import require
+from msgpatterns.deadletter import DeadLetterStore
+from msgpatterns.errors import ConfigurationError
+from msgpatterns.idempotency.decorator import idempotent
+from msgpatterns.message import Message
+from msgpatterns.retry import RetryPolicy
+from msgpatterns.settlement import Ack, DeadLetterIt, RetryLater, RetryNow, settle
+
+if TYPE_CHECKING:
+    from msgpatterns.idempotency.base import Checker
+
+require("celery", "celery")
+
+from celery.exceptions import TaskPredicate  # type: ignore[import-untyped]  # noqa: E402
+
+__all__ = ["idempotent_task"]
+
+log = logging.getLogger("msgpatterns.integrations.celery")
+
+
+def _delivery(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Message:
+    """The task call as a Message: id = task id, topic = task name, attempt =
+    Celery's durable retry count + 1, body = the arguments as JSON."""
+    request = task.request
+    body = json.dumps({"args": list(args), "kwargs": kwargs}, default=repr).encode()
+    return Message(body, id=request.id, topic=task.name,
+                   attempt=int(request.retries or 0) + 1)
+
+
+def idempotent_task(
+    app: Any,
+    checker: Checker | None = None,
+    *,
+    key: Callable[..., object] | None = None,
+    policy: RetryPolicy | None = None,
+    dead_letters: DeadLetterStore | None = None,
+    group: str | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    **task_options: Any,
+) -> Callable[[Callable[..., Any]], Any]:
+    """Register the decorated function as a Celery task of ``app`` (``acks_late``,
+    bound) that runs once per key and retries on the policy's schedule.
+
+    Args:
+        app: the Celery application.
+        checker: where idempotency keys live (any msgpatterns checker); None: no
+            idempotency, retries and dead letters only.
+        key: called with exactly the task's arguments, returns the key; default: the
+            Celery task id.
+        policy: the retry policy (default ``RetryPolicy()``).
+        dead_letters: where records of given-up tasks go
+            (:class:`~msgpatterns.deadletter.MemoryDeadLetterStore` or your store);
+            None: they are only logged.
+        group: the idempotency group and the records' group (default: the function's
+            ``module.qualname``).
+        sleep: waits between in-process retries.
+        task_options: more ``app.task`` options (``name``, ``queue``, ...).
+    """
+    if policy is not None and not isinstance(policy, RetryPolicy):
+        raise ConfigurationError(f"policy must be a RetryPolicy, got {policy!r}")
+    if dead_letters is not None and not callable(getattr(dead_letters, "put", None)):
+        raise ConfigurationError(f"dead_letters must be a DeadLetterStore, got {dead_letters!r}")
+    if key is not None:
+        require_sync_callable(key, what="key", where="idempotent_task")
+    rules = policy if policy is not None else RetryPolicy()
+    if task_options.get("acks_late") is False or task_options.get("bind") is False:
+        raise ConfigurationError("idempotent_task registers acks_late=True, bind=True tasks")
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        require_sync_callable(fn, what="task", where="idempotent_task",
+                              alternative="a sync function (Celery runs sync tasks)")
+        name = group or f"{fn.__module__}.{fn.__qualname__}"
+
+        def body(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return fn(*args, **kwargs)
+
+        def key_of(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+            return key(*args, **kwargs) if key is not None else message.id
+
+        run = body if checker is None else idempotent(checker, key=key_of, group=name)(body)
+
+        @functools.wraps(fn)
+        def task(self: Any, *args: Any, **kwargs: Any) -> Any:
+            message = _delivery(self, args, kwargs)
+            while True:
+                error: Exception | None = None
+                result: Any = None
+                try:
+                    result = run(message, args, kwargs)
+                except TaskPredicate:
+                    raise
+                except Exception as exc:
+                    error = exc
+                decision = settle(message, error, policy=rules, group=name, result=result)
+                if not isinstance(decision, RetryNow):
+                    break
+                sleep(decision.delay)
+                message.local_retries += 1
+            if isinstance(decision, Ack):
+                return decision.result
+            if isinstance(decision, RetryLater):
+                raise self.retry(exc=decision.error, countdown=decision.delay,
+                                 max_retries=rules.max_attempts - 1)
+            assert isinstance(decision, DeadLetterIt)
+            log.warning("task %s[%s] dead-lettered: %s", self.name, message.id,
+                        decision.reason)
+            if dead_letters is not None:
+                dead_letters.put(decision.record)
+            assert error is not None
+            raise error
+
+        options = {"bind": True, "acks_late": True, **task_options}
+        return app.task(**options)(task)
+
+    return decorate

@@ -1,0 +1,105 @@
+"""Consumer health: :class:`Health` (from ``Consumer.health()``) and :class:`HealthServer`,
+a tiny HTTP endpoint for liveness and readiness probes.
+
+``GET /livez`` answers 200 while every consumer is running (its threads alive), else
+503; ``GET /readyz`` answers 200 while every consumer is running and its last fetch
+succeeded (and its broker says it is connected, where the broker can tell), else 503.
+Both carry the health snapshots as JSON. Anything else is 404.
+
+The server runs the standard library's ``ThreadingHTTPServer`` on one daemon thread,
+binds ``127.0.0.1`` unless told otherwise, and is stopped by :meth:`HealthServer.close`
+(or leaving its ``with`` block); ``close()`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from msgpatterns.errors import ConfigurationError
+from msgpatterns.observability.stats import Health
+
+if TYPE_CHECKING:
+    from msgpatterns.consumer import Consumer
+
+__all__ = ["Health", "HealthServer"]
+
+
+class HealthServer:
+    """Serves ``/livez`` and ``/readyz`` for ``consumers`` on ``host:port`` (port 0: a
+    free port, see :attr:`port`) from a daemon thread, until :meth:`close`."""
+
+    def __init__(self, *consumers: Consumer, host: str = "127.0.0.1", port: int = 0) -> None:
+        from msgpatterns.consumer import Consumer
+
+        if not consumers or not all(isinstance(c, Consumer) for c in consumers):
+            raise ConfigurationError("HealthServer needs one or more Consumer objects")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigurationError(f"HealthServer port must be an int in 0..65535, got {port!r}")
+        self.consumers = consumers
+        self._server = ThreadingHTTPServer((host, port), _handler_for(consumers))
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="msgpatterns-health", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+    @property
+    def port(self) -> int:
+        """The port it listens on."""
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        host = self._server.server_address[0]
+        return f"http://{host!s}:{self.port}"
+
+    def close(self) -> None:
+        """Stop serving and free the port; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<HealthServer {self.url} {'closed' if self._closed else 'open'}>"
+
+
+def _handler_for(consumers: tuple[Consumer, ...]) -> type[BaseHTTPRequestHandler]:
+    class _Probe(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path not in ("/livez", "/readyz"):
+                self._send(404, {"error": f"unknown path {path}; use /livez or /readyz"})
+                return
+            snapshots = [consumer.health() for consumer in consumers]
+            ok = all(s.live if path == "/livez" else s.ready for s in snapshots)
+            self._send(200 if ok else 503, {"ok": ok,
+                                            "consumers": [s.as_dict() for s in snapshots]})
+
+        def _send(self, status: int, payload: dict[str, Any]) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # probes every few seconds would flood the log
+
+    return _Probe

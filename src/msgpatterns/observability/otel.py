@@ -1,0 +1,354 @@
+"""OpenTelemetry traces and metrics for consumers, checkers and batching helpers.
+
+Enable it once per process (needs the ``otel`` extra, ``opentelemetry-api``)::
+
+    from msgpatterns.observability import instrument
+
+    instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
+
+Without providers the globally configured ones are used (OpenTelemetry's API is a
+no-op until an SDK is configured). :func:`uninstrument` turns it off again.
+
+Traces follow the OpenTelemetry messaging semantic conventions: one span per delivery
+attempt, kind ``CONSUMER``, named ``process <topic>``, with ``messaging.system``,
+``messaging.destination.name``, ``messaging.consumer.group.name``,
+``messaging.message.id``, ``messaging.operation.type=process``,
+``messaging.operation.name=process``, ``messaging.msgpatterns.attempt`` and, once
+settled, ``messaging.msgpatterns.outcome`` (``acked``, ``retried_locally``,
+``retried_later``, ``dead_lettered``, ``released``); a failed attempt has error status,
+``error.type`` and the exception as an event. The span continues the trace whose W3C
+``traceparent`` the message carries, and is the current span while the handler runs.
+Outgoing messages (publish, redelivery, dead letter) carry trace context through the
+adapters' wire headers (:mod:`msgpatterns.brokers._codec`); a header already present
+(the original publisher's) is never replaced.
+
+Metrics (one name per in-process counter; see :mod:`msgpatterns.observability.stats`):
+
+* ``msgpatterns.consumer.deliveries`` {``msgpatterns.outcome``}: settled deliveries
+  by outcome (ConsumerStats ``acked``, ``retried_locally``, ``redelivered`` as
+  ``retried_later``, ``dead_lettered``, ``released``);
+  ``msgpatterns.consumer.fetched``, ``.failed``, ``.ack_timeouts``, ``.broker_errors``;
+* ``messaging.process.duration`` (s): handler duration, with ``error.type`` on failure;
+* ``msgpatterns.consumer.in_flight``: observable gauge, messages held per consumer;
+* ``msgpatterns.idempotency.<field>`` for every IdempotencyStats field
+  (``duplicates``: duplicates skipped, ``in_progress``: in-progress conflicts, ...),
+  ``msgpatterns.idempotency.store.round_trips`` {``msgpatterns.operation``,
+  ``msgpatterns.result``} and ``msgpatterns.idempotency.store.duration`` (s);
+* ``msgpatterns.batch.items``, ``.rejected``, ``.batches``, ``.processed``,
+  ``.errors``, ``msgpatterns.batch.size`` (histogram) and
+  ``msgpatterns.batch.flush.duration`` (s), per ``msgpatterns.queue``.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+import weakref
+from collections import Counter as _Tally
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+from msgpatterns._extras import require
+
+require("opentelemetry.trace", "otel")
+
+from opentelemetry import context as otel_context  # noqa: E402
+from opentelemetry import metrics as otel_metrics  # noqa: E402
+from opentelemetry import propagate, trace  # noqa: E402
+from opentelemetry.metrics import CallbackOptions, Observation  # noqa: E402
+from opentelemetry.trace import SpanKind, Status, StatusCode  # noqa: E402
+
+from msgpatterns.errors import describe  # noqa: E402
+from msgpatterns.observability import stats as _stats  # noqa: E402
+from msgpatterns.observability.stats import (  # noqa: E402
+    CONSUMER_OUTCOMES,
+    DeliveryScope,
+    Listener,
+    Outcome,
+    outcome_of,
+)
+
+if TYPE_CHECKING:
+    from msgpatterns.consumer import Consumer
+    from msgpatterns.message import Message
+
+__all__ = ["OpenTelemetry", "instrument", "messaging_system", "uninstrument"]
+
+_SCOPE = "msgpatterns"
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            5.0, 10.0, 30.0, 60.0)
+_SIZES = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+#: Broker class -> ``messaging.system`` (a broker may declare ``messaging_system``).
+_SYSTEMS = {
+    "KafkaBroker": "kafka",
+    "RabbitMQBroker": "rabbitmq",
+    "RedisStreamsBroker": "redis",
+    "NatsJetStreamBroker": "nats",
+    "InMemoryBroker": "memory",
+}
+
+
+def messaging_system(broker: object) -> str:
+    """The ``messaging.system`` value for ``broker``."""
+    declared = getattr(broker, "messaging_system", None)
+    if isinstance(declared, str) and declared:
+        return declared
+    name = type(broker).__name__
+    return _SYSTEMS.get(name, name.lower())
+
+
+Key = tuple[tuple[str, Any], ...]
+
+
+class _Totals:
+    """Counters summed here, cheaply, and handed to OpenTelemetry as observable
+    counters when a reader collects: an SDK ``Counter.add`` cleans and hashes its
+    attributes on every call, tens of microseconds a message under load."""
+
+    def __init__(self, meter: otel_metrics.Meter) -> None:
+        self._meter = meter
+        self._lock = threading.Lock()
+        self._create = threading.Lock()
+        self._series: dict[str, dict[Key, int]] = {}
+
+    def add(self, name: str, unit: str, count: int, key: Key) -> None:
+        series = self._series.get(name)
+        if series is None:
+            series = self._new(name, unit)
+        with self._lock:
+            series[key] = series.get(key, 0) + count
+
+    def _new(self, name: str, unit: str) -> dict[Key, int]:
+        with self._create:  # never under _lock: a collection holds the SDK's lock, then ours
+            series = self._series.get(name)
+            if series is None:
+                series = {}
+                self._meter.create_observable_counter(
+                    name, [functools.partial(self._observe, name)], unit)
+                self._series[name] = series
+        return series
+
+    def _observe(self, name: str, options: CallbackOptions) -> list[Observation]:
+        with self._lock:
+            items = list(self._series[name].items())
+        return [Observation(value, dict(key)) for key, value in items]
+
+
+def _error_type(error: BaseException) -> str:
+    kind = type(error)
+    return kind.__qualname__ if kind.__module__ == "builtins" \
+        else f"{kind.__module__}.{kind.__qualname__}"
+
+
+class _Scope(DeliveryScope):
+    __slots__ = ("_listener", "_span", "_started", "_token", "attributes")
+
+    def __init__(self, listener: OpenTelemetry, span: trace.Span | None, token: object,
+                 attributes: dict[str, Any]) -> None:
+        self._listener = listener
+        self._span = span
+        self._token = token
+        self.attributes = attributes
+        self._started = time.perf_counter()
+
+    def handler_returned(self, error: BaseException | None) -> None:
+        took = time.perf_counter() - self._started
+        attributes = self.attributes
+        if error is not None:
+            attributes = {**attributes, "error.type": _error_type(error)}
+        self._listener._process_duration.record(took, attributes)
+
+    def close(self) -> None:
+        if self._token is not None:
+            otel_context.detach(self._token)  # type: ignore[arg-type]
+            self._token = None
+
+
+class OpenTelemetry(Listener):
+    """The OpenTelemetry listener (see the module docstring for what it records).
+
+    ``tracer_provider``/``meter_provider``: where spans and metrics go (None: the
+    global ones). ``tracing=False`` or ``metrics=False`` turns that half off.
+    """
+
+    def __init__(self, *, tracer_provider: trace.TracerProvider | None = None,
+                 meter_provider: otel_metrics.MeterProvider | None = None,
+                 tracing: bool = True, metrics: bool = True) -> None:
+        from msgpatterns import __version__
+
+        self.tracer: trace.Tracer | None = (
+            trace.get_tracer(_SCOPE, __version__, tracer_provider=tracer_provider)
+            if tracing else None
+        )
+        provider = meter_provider if metrics else otel_metrics.NoOpMeterProvider()
+        meter = otel_metrics.get_meter(_SCOPE, __version__, meter_provider=provider)
+        self._meter = meter
+        self._lock = threading.Lock()
+        self._spans: dict[Message, trace.Span] = {}
+        self._consumers: weakref.WeakKeyDictionary[Consumer, Key] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._totals = _Totals(meter)
+        self._process_duration = meter.create_histogram(
+            "messaging.process.duration", "s", "Handler duration per delivery",
+            explicit_bucket_boundaries_advisory=_SECONDS)
+        self._store_duration = meter.create_histogram(
+            "msgpatterns.idempotency.store.duration", "s",
+            "Idempotency store operation duration", explicit_bucket_boundaries_advisory=_SECONDS)
+        self._batch_size = meter.create_histogram(
+            "msgpatterns.batch.size", "{item}", "Items per processor call",
+            explicit_bucket_boundaries_advisory=_SIZES)
+        self._flush_duration = meter.create_histogram(
+            "msgpatterns.batch.flush.duration", "s", "Processor call duration per batch",
+            explicit_bucket_boundaries_advisory=_SECONDS)
+        meter.create_observable_gauge(
+            "msgpatterns.consumer.in_flight", [self._observe_in_flight], "{message}",
+            "Messages fetched and not yet settled")
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _consumer_key(self, consumer: Consumer) -> Key:
+        key = self._consumers.get(consumer)
+        if key is None:
+            key = (("messaging.system", messaging_system(consumer.broker)),
+                   ("messaging.consumer.group.name", consumer.group))
+            with self._lock:
+                self._consumers[consumer] = key
+        return key
+
+    def _observe_in_flight(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            consumers = list(self._consumers.items())
+        return [Observation(consumer.in_flight, {**dict(key), "msgpatterns.consumer":
+                                                 consumer.name})
+                for consumer, key in consumers]
+
+    # -- consumer -----------------------------------------------------------------------
+
+    def consumer_counted(self, consumer: Consumer, counts: Mapping[str, int],
+                         message: Message | None = None) -> None:
+        key = self._consumer_key(consumer)
+        if message is not None:
+            key += (("messaging.destination.name", message.topic),)
+        add = self._totals.add
+        for name, count in counts.items():
+            if not count:
+                continue
+            outcome = CONSUMER_OUTCOMES.get(name)
+            if outcome is not None:
+                add("msgpatterns.consumer.deliveries", "{delivery}", count,
+                    (*key, ("msgpatterns.outcome", outcome.value)))
+            else:
+                add(f"msgpatterns.consumer.{name}", "{message}", count, key)
+
+    def delivery_started(self, consumer: Consumer, message: Message) -> DeliveryScope:
+        attributes = dict(self._consumer_key(consumer))
+        attributes["messaging.destination.name"] = message.topic
+        tracer = self.tracer
+        if tracer is None:
+            return _Scope(self, None, None, attributes)
+        parent = propagate.extract(message.headers) if message.headers else None
+        span_attributes: dict[str, Any] = {
+            **attributes,
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "process",
+            "messaging.msgpatterns.attempt": message.attempt,
+            "messaging.msgpatterns.local_retries": message.local_retries,
+        }
+        if message.id is not None:
+            span_attributes["messaging.message.id"] = message.id
+        if message.key is not None:
+            span_attributes["messaging.msgpatterns.key"] = message.key
+        span = tracer.start_span(f"process {message.topic}", context=parent,
+                                 kind=SpanKind.CONSUMER, attributes=span_attributes)
+        with self._lock:
+            self._spans[message] = span
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        return _Scope(self, span, token, attributes)
+
+    def delivery_settled(self, consumer: Consumer, message: Message, counted: list[str],
+                         error: BaseException | None) -> None:
+        self.consumer_counted(consumer, _Tally(counted) if len(counted) > 1
+                              else dict.fromkeys(counted, 1), message)
+        with self._lock:
+            span = self._spans.pop(message, None)
+        if span is None:
+            return
+        outcome = outcome_of(counted)
+        span.set_attribute("messaging.msgpatterns.outcome", outcome.value)
+        if error is not None and outcome not in (Outcome.ACKED, Outcome.RELEASED):
+            span.set_attribute("error.type", _error_type(error))
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, describe(error)[:200]))
+        span.end()
+
+    def inject(self, headers: dict[str, str], message: Message | None = None) -> None:
+        span = None
+        if message is not None:
+            with self._lock:
+                span = self._spans.get(message)
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=None if span is None
+                         else trace.set_span_in_context(span))
+        for name, value in carrier.items():
+            headers.setdefault(name, value)
+
+    # -- idempotency ----------------------------------------------------------------------
+
+    def idempotency_counted(self, checker: str, counts: Mapping[str, int]) -> None:
+        key: Key = (("msgpatterns.checker", checker),) if checker else ()
+        for name, count in counts.items():
+            if count:
+                self._totals.add(f"msgpatterns.idempotency.{name}", "{key}", count, key)
+
+    def store_round_trip(self, checker: str, operation: str, seconds: float,
+                         error: BaseException | None) -> None:
+        attributes = {"msgpatterns.checker": checker, "msgpatterns.operation": operation}
+        self._store_duration.record(seconds, attributes)
+        self._totals.add("msgpatterns.idempotency.store.round_trips", "{operation}", 1,
+                         (("msgpatterns.checker", checker), ("msgpatterns.operation", operation),
+                          ("msgpatterns.result", "ok" if error is None else "error")))
+
+    # -- batching -------------------------------------------------------------------------
+
+    def batch_counted(self, queue: str, counts: Mapping[str, int]) -> None:
+        key: Key = (("msgpatterns.queue", queue),)
+        for name, count in counts.items():
+            if count:
+                self._totals.add(f"msgpatterns.batch.{name}", "{item}", count, key)
+
+    def batch_processed(self, queue: str, size: int, seconds: float, failed: bool) -> None:
+        attributes = {"msgpatterns.queue": queue}
+        self._batch_size.record(size, attributes)
+        self._flush_duration.record(seconds, attributes)
+        self.batch_counted(queue, {"batches": 1, "processed": size, "errors": int(failed)})
+
+    # -- installation -----------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if _stats.listener is self:
+            _stats.set_listener(None)
+
+
+def instrument(*, tracer_provider: trace.TracerProvider | None = None,
+               meter_provider: otel_metrics.MeterProvider | None = None,
+               tracing: bool = True, metrics: bool = True) -> OpenTelemetry:
+    """Send every consumer's, checker's and batching helper's spans and metrics in
+    this process to OpenTelemetry (replacing any listener installed before); returns
+    the listener, which is also a context manager that uninstalls it."""
+    listener = OpenTelemetry(tracer_provider=tracer_provider, meter_provider=meter_provider,
+                             tracing=tracing, metrics=metrics)
+    _stats.set_listener(listener)
+    return listener
+
+
+def uninstrument() -> None:
+    """Stop sending telemetry (remove the process's listener)."""
+    _stats.set_listener(None)

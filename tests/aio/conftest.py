@@ -1,0 +1,10 @@
+"""Async tests run under anyio's pytest plugin, on asyncio."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

@@ -1,0 +1,429 @@
+"""Observability (issue 14): OpenTelemetry spans and metrics equal the library's own
+counts, trace context travels through headers, Prometheus is scraped over HTTP,
+health over HTTP, structured log fields, and nothing is paid while it is off."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+    InMemorySpanExporter,
+)
+from opentelemetry.trace import SpanKind, StatusCode
+
+from msgpatterns import (
+    Backoff,
+    Consumer,
+    InMemoryBroker,
+    Message,
+    NeedRetry,
+    Reject,
+    RetryPolicy,
+)
+from msgpatterns.batching import BatchExecutor
+from msgpatterns.brokers import _codec as codec
+from msgpatterns.deadletter import DeadLetter
+from msgpatterns.idempotency import MemoryChecker, idempotent
+from msgpatterns.observability import (
+    HealthServer,
+    get_listener,
+    instrument,
+    serve_prometheus,
+    trace_headers,
+    uninstrument,
+)
+
+
+class Otel:
+    def __init__(self) -> None:
+        self.spans = InMemorySpanExporter()
+        self.tracer_provider = TracerProvider()
+        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
+        self.reader = InMemoryMetricReader()
+        self.meter_provider = MeterProvider(metric_readers=[self.reader])
+
+    def finished(self) -> list[ReadableSpan]:
+        return list(self.spans.get_finished_spans())
+
+    def points(self, name: str) -> list[Any]:
+        data = self.reader.get_metrics_data()
+        found = []
+        for rm in data.resource_metrics if data else []:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    if metric.name == name:
+                        found.extend(metric.data.data_points)
+        return found
+
+    def total(self, name: str, **attrs: str) -> int:
+        return sum(int(p.value) for p in self.points(name)
+                   if all(p.attributes.get(k) == v for k, v in attrs.items()))
+
+
+@pytest.fixture
+def otel() -> Iterator[Otel]:
+    o = Otel()
+    instrument(tracer_provider=o.tracer_provider, meter_provider=o.meter_provider)
+    try:
+        yield o
+    finally:
+        uninstrument()
+
+
+def _workload(broker: InMemoryBroker, checker: MemoryChecker) -> Consumer:
+    """30 messages: most succeed, 'flaky' fail their first attempt (redelivered),
+    'local' ask for one in-process retry, 'poison' are rejected (dead letter); the
+    broker duplicates deliveries and the handler is idempotent."""
+    bodies = ["ok"] * 20 + ["flaky"] * 4 + ["local"] * 4 + ["poison"] * 2
+    for i, body in enumerate(bodies):
+        broker.publish("orders", body, key=f"k{i}")
+
+    @idempotent(checker)
+    def handle(message: Message) -> None:
+        if message.body == "poison":
+            raise Reject("bad order")
+        if message.body == "flaky" and message.attempt == 1:
+            raise ValueError("flaky downstream")
+        if message.body == "local" and message.local_retries == 0:
+            raise NeedRetry()
+
+    return Consumer(broker, handle, topics=["orders"], group="billing", workers=2,
+                    retry=RetryPolicy(max_attempts=3, backoff=Backoff.levels([0.5])))
+
+
+def test_spans_and_metrics_equal_the_consumers_own_counts(otel: Otel) -> None:
+    broker = InMemoryBroker(seed=3, duplicate_rate=0.3)
+    checker = MemoryChecker(namespace="obs")
+    consumer = _workload(broker, checker)
+    stats = consumer.run_until_idle(timeout=30)
+    cs = checker.stats
+    assert stats.dead_lettered >= 2 and stats.redelivered >= 4 and stats.retried_locally >= 4
+    assert cs.duplicates > 0  # the broker duplicated and the checker skipped
+
+    spans = otel.finished()
+    outcomes = Counter(s.attributes["messaging.msgpatterns.outcome"] for s in spans)
+    assert outcomes == Counter({"acked": stats.acked, "retried_later": stats.redelivered,
+                                "retried_locally": stats.retried_locally,
+                                "dead_lettered": stats.dead_lettered})
+    assert len(spans) == stats.acked + stats.failed
+    for span in spans:
+        attrs = span.attributes
+        assert span.kind is SpanKind.CONSUMER and span.name == "process orders"
+        assert attrs["messaging.system"] == "memory"
+        assert attrs["messaging.destination.name"] == "orders"
+        assert attrs["messaging.consumer.group.name"] == "billing"
+        assert attrs["messaging.operation.type"] == "process"
+        assert attrs["messaging.message.id"]
+        assert attrs["messaging.msgpatterns.attempt"] >= 1
+        failed = attrs["messaging.msgpatterns.outcome"] != "acked"
+        assert (span.status.status_code is StatusCode.ERROR) == failed
+    assert {s.attributes["error.type"] for s in spans if "error.type" in s.attributes} == {
+        "ValueError", "msgpatterns.errors.NeedRetry", "msgpatterns.errors.Reject"}
+
+    deliveries = "msgpatterns.consumer.deliveries"
+    assert otel.total(deliveries, **{"msgpatterns.outcome": "acked"}) == stats.acked
+    assert otel.total(deliveries, **{"msgpatterns.outcome": "retried_later"}) == stats.redelivered
+    assert otel.total(deliveries, **{"msgpatterns.outcome": "retried_locally"}) \
+        == stats.retried_locally
+    assert otel.total(deliveries, **{"msgpatterns.outcome": "dead_lettered"}) \
+        == stats.dead_lettered
+    assert otel.total(deliveries, **{"msgpatterns.outcome": "released"}) == stats.released == 0
+    assert otel.total("msgpatterns.consumer.fetched") == stats.fetched
+    assert otel.total("msgpatterns.consumer.failed") == stats.failed
+    for name, value in cs.as_dict().items():
+        assert otel.total(f"msgpatterns.idempotency.{name}") == value, name
+    assert sum(p.count for p in otel.points("messaging.process.duration")) == len(spans)
+    def trips(*operations: str) -> int:
+        return sum(otel.total("msgpatterns.idempotency.store.round_trips",
+                              **{"msgpatterns.operation": op}) for op in operations)
+
+    # The Consumer claims and completes an @idempotent handler's keys per batch: one
+    # round trip for many keys (never more round trips than keys).
+    claims = cs.claimed + cs.duplicates + cs.in_progress + cs.conflicts
+    assert 0 < trips("claim", "claim_many") < claims
+    assert 0 < trips("complete", "complete_many") <= cs.completed + cs.lost_leases
+    (gauge,) = otel.points("msgpatterns.consumer.in_flight")
+    assert gauge.value == 0 and gauge.attributes["msgpatterns.consumer"] == consumer.name
+
+
+def test_consumer_span_continues_the_publishers_trace_across_retries(otel: Otel) -> None:
+    broker = InMemoryBroker()
+    tracer = otel.tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("publish orders", kind=SpanKind.PRODUCER) as producer:
+        broker.publish("orders", "x", key="a", headers=trace_headers())
+    seen: list[Any] = []
+
+    def handle(message: Message) -> None:
+        seen.append(trace.get_current_span().get_span_context())
+        if message.attempt < 3:
+            raise ValueError("again")
+
+    consumer = Consumer(broker, handle, topics=["orders"], group="g",
+                        retry=RetryPolicy(max_attempts=5, backoff=Backoff.levels([1.0])))
+    assert consumer.run_until_idle(timeout=10).acked == 1
+    spans = [s for s in otel.finished() if s.name == "process orders"]
+    assert len(spans) == 3
+    ctx = producer.get_span_context()
+    for span in spans:
+        assert span.context.trace_id == ctx.trace_id
+        assert span.parent is not None and span.parent.span_id == ctx.span_id
+    # the handler ran inside its delivery's span
+    assert [c.span_id for c in seen] == [s.context.span_id for s in spans]
+    assert [s.attributes["messaging.msgpatterns.attempt"] for s in spans] == [1, 2, 3]
+
+
+def test_wire_headers_carry_trace_context_on_publish_retry_and_dead_letter(otel: Otel) -> None:
+    tracer = otel.tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("send") as span:
+        published = codec.wire_headers({"a": "1"}, message_id="m1")
+    assert published["traceparent"].split("-")[2] == format(span.get_span_context().span_id,
+                                                               "016x")
+    # a message without a publisher's context: its retry and dead letter carry the
+    # context of the delivery that failed, so the next attempt joins that trace
+    broker = InMemoryBroker()
+    broker.publish("t", "x")
+    captured: dict[str, dict[str, str]] = {}
+
+    def handle(message: Message) -> None:
+        captured["retry"] = codec.redelivery_headers(message)
+        captured["dead"] = codec.dead_letter_headers(DeadLetter.from_error(
+            message, ValueError("x"), now=0.0, reason="test", group="g"))
+        captured["kept"] = codec.redelivery_headers(
+            Message("y", headers={"traceparent": published["traceparent"]}))
+
+    Consumer(broker, handle, topics=["t"], group="g").run_until_idle(timeout=10)
+    (delivery,) = [s for s in otel.finished() if s.name == "process t"]
+    own = format(delivery.context.span_id, "016x")
+    assert captured["retry"]["traceparent"].split("-")[2] == own
+    assert captured["dead"]["traceparent"].split("-")[2] == own
+    assert captured["kept"]["traceparent"] == published["traceparent"]  # never replaced
+
+
+def test_nothing_is_added_or_imported_while_telemetry_is_off() -> None:
+    assert get_listener() is None
+    assert "traceparent" not in codec.wire_headers({}, message_id="m")
+    script = (
+        "import sys\n"
+        "from msgpatterns import Consumer, InMemoryBroker\n"
+        "from msgpatterns.batching import BatchExecutor\n"
+        "b = InMemoryBroker(); b.publish('t', 1)\n"
+        "Consumer(b, lambda m: None, topics=['t'], group='g').run_until_idle(timeout=10)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+def test_batch_sizes_and_flush_latency_match_the_counters(otel: Otel) -> None:
+    sizes: list[int] = []
+    with BatchExecutor("obs-batch", 4, lambda batch: sizes.append(len(batch)),
+                       queue_size=16) as executor:
+        for i in range(10):
+            assert executor.add(i)
+        assert executor.flush(timeout=10)
+        counters = executor.counters
+    (size,) = otel.points("msgpatterns.batch.size")
+    (latency,) = otel.points("msgpatterns.batch.flush.duration")
+    assert size.count == latency.count == counters.batches == len(sizes)
+    assert size.sum == counters.processed == sum(sizes) == 10
+    assert otel.total("msgpatterns.batch.items") == counters.items
+    assert otel.total("msgpatterns.batch.processed") == counters.processed
+    assert otel.total("msgpatterns.batch.batches") == counters.batches
+    assert size.attributes == {"msgpatterns.queue": "obs-batch"}
+
+
+def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_prometheus_endpoint_is_scraped_after_a_known_run() -> None:
+    with serve_prometheus(port=0) as endpoint:
+        broker = InMemoryBroker()
+        for i in range(10):
+            broker.publish("orders", "poison" if i < 2 else "ok", key=f"k{i}")
+
+        def handle(message: Message) -> None:
+            if message.body == "poison":
+                raise Reject("bad")
+
+        stats = Consumer(broker, handle, topics=["orders"], group="prom").run_until_idle(
+            timeout=10)
+        samples = _scrape(endpoint.url)
+    assert get_listener() is None  # close() uninstalled it
+
+    def value(name: str, **labels: str) -> float:
+        return sum(v for (n, ls), v in samples.items()
+                   if n == name and set(labels.items()) <= ls)
+
+    common = {"messaging_system": "memory", "messaging_consumer_group_name": "prom",
+              "messaging_destination_name": "orders"}
+    assert value("msgpatterns_consumer_deliveries_total", msgpatterns_outcome="acked",
+                 **common) == stats.acked == 8
+    assert value("msgpatterns_consumer_deliveries_total",
+                 msgpatterns_outcome="dead_lettered", **common) == stats.dead_lettered == 2
+    assert value("msgpatterns_consumer_fetched_total", messaging_system="memory") == 10
+    assert value("messaging_process_duration_seconds_count", **common) == 10
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(endpoint.url, timeout=2)
+
+
+def _get(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_health_over_http_follows_the_consumer() -> None:
+    broker = InMemoryBroker()
+    held = threading.Event()
+    kept: list[Message] = []
+
+    def handle(message: Message) -> None:
+        message.disable_auto_ack()  # stays unsettled: in flight, ageing
+        kept.append(message)
+        held.set()
+
+    consumer = Consumer(broker, handle, topics=["t"], group="g", ack_timeout=0)
+    with HealthServer(consumer, port=0) as server:
+        status, body = _get(server.url + "/livez")
+        assert status == 503 and body["consumers"][0]["state"] == "new"
+        consumer.start()
+        broker.publish("t", "x")
+        assert held.wait(10)
+        health = consumer.health()
+        assert health.running and health.last_fetch_ok and health.broker_connected
+        assert health.in_flight == 1 and health.oldest_unsettled_age is not None
+        assert _get(server.url + "/livez")[0] == 200
+        status, body = _get(server.url + "/readyz")
+        assert status == 200 and body["ok"] is True
+        assert body["consumers"][0]["in_flight"] == 1
+        assert _get(server.url + "/nope")[0] == 404
+        kept[0].ack()
+        consumer.stop(5)
+        assert consumer.health().in_flight == 0
+        assert consumer.health().oldest_unsettled_age is None
+        assert _get(server.url + "/livez")[0] == 503
+        assert _get(server.url + "/readyz")[0] == 503
+        url = server.url
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "/livez", timeout=2)
+    server.close()  # idempotent
+
+
+def test_log_lines_about_a_message_carry_its_fields(caplog: pytest.LogCaptureFixture) -> None:
+    broker = InMemoryBroker()
+    broker.publish("orders", "x", key="a")
+
+    def handle(message: Message) -> None:
+        raise ValueError("boom")
+
+    consumer = Consumer(broker, handle, topics=["orders"], group="billing",
+                        retry=RetryPolicy(max_attempts=2, backoff=Backoff.levels([1.0])))
+    with caplog.at_level(logging.DEBUG, logger="msgpatterns.consumer"):
+        consumer.run_until_idle(timeout=10)
+    about = [r for r in caplog.records if "message" in r.getMessage()]
+    assert len(about) >= 2  # the failure warning and the dead-letter error
+    (published,) = broker.published
+    for record in about:
+        assert record.message_id == published.id  # type: ignore[attr-defined]
+        assert record.topic == "orders"  # type: ignore[attr-defined]
+        assert record.group == "billing"  # type: ignore[attr-defined]
+    assert sorted(r.attempt for r in about) == [1, 2]  # type: ignore[attr-defined]
+
+
+@pytest.mark.redis
+def test_redis_publish_retry_and_dead_letter_carry_the_publishers_trace(
+    otel: Otel, redis_url: str, unique: str,
+) -> None:
+    from msgpatterns.brokers import RedisStreamsBroker
+
+    stream = f"obs-{unique}"
+    tracer = otel.tracer_provider.get_tracer("test")
+    with RedisStreamsBroker(redis_url) as broker:
+        with tracer.start_as_current_span("publish", kind=SpanKind.PRODUCER) as producer:
+            broker.publish(stream, b"x")  # no headers given: the adapter adds the context
+
+        last_attempt = threading.Event()
+
+        def handle(message: Message) -> None:
+            if message.attempt == 2:
+                last_attempt.set()
+            raise ValueError("always")
+
+        consumer = Consumer(broker, handle, topics=[stream], group="g",
+                            retry=RetryPolicy(max_attempts=2, backoff=Backoff.levels([0.0])))
+        consumer.start()
+        try:
+            assert last_attempt.wait(20)
+        finally:
+            consumer.stop(5)  # returns once the last attempt is settled (dead-lettered)
+        (dead,) = broker.list_dead_letters(stream, "g")
+    ctx = producer.get_span_context()
+    spans = [s for s in otel.finished() if s.name == f"process {stream}"]
+    assert [s.attributes["messaging.msgpatterns.attempt"] for s in spans] == [1, 2]
+    assert all(s.parent is not None and s.parent.span_id == ctx.span_id for s in spans)
+    assert dead.message.headers["traceparent"].split("-")[1] == format(ctx.trace_id, "032x")
+
+
+def test_a_late_ack_warning_carries_the_message_fields(caplog: pytest.LogCaptureFixture) -> None:
+    message = Message(b"x", id="m-7", key="k", topic="orders", attempt=3)
+    message.disable_auto_ack()
+    assert message.ack()
+    with caplog.at_level(logging.WARNING, logger="msgpatterns.message"):
+        assert not message.ack()  # the second ack is ignored, with a warning
+    (record,) = caplog.records
+    assert (record.message_id, record.topic, record.attempt) == (  # type: ignore[attr-defined]
+        "m-7", "orders", 3)
+
+
+def test_transactional_checker_round_trips_are_reported_under_its_name(
+    otel: Otel, tmp_path: Any
+) -> None:
+    import sqlalchemy as sa
+
+    from msgpatterns import TransactionalSqlChecker, idempotent
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'tx.db'}")
+    checker = TransactionalSqlChecker(engine)
+
+    @idempotent(checker)
+    def handle(message: Message, tx: sa.Connection) -> None:
+        pass
+
+    broker = InMemoryBroker(seed=2)
+    for i in range(5):
+        broker.publish("orders", b"x", key=f"o{i}")
+    Consumer(broker, handle, topics=["orders"], group="g").run_until_idle(timeout=10)
+    name = "msgpatterns.idempotency.store.round_trips"
+    points = [p for p in otel.points(name)
+              if "TransactionalSqlChecker" in p.attributes.values()]
+    by_operation = {p.attributes.get("msgpatterns.operation"): int(p.value) for p in points}
+    assert by_operation == {"claim": 5, "commit": 5}
+    engine.dispose()
