@@ -10,8 +10,8 @@ the next try. The broker also delivers some messages twice (at least once); the
 primary key plus ``ON CONFLICT DO NOTHING`` makes those harmless.
 
     python examples/flusher_bulk_insert.py                # SQLite in a temporary file
-    python examples/flusher_bulk_insert.py postgresql+psycopg2://postgres@127.0.0.1/test
-    DATABASE_URL=postgresql+psycopg2://... python examples/flusher_bulk_insert.py
+    python examples/flusher_bulk_insert.py postgresql+psycopg://postgres@127.0.0.1/test
+    DATABASE_URL=postgresql+psycopg://... python examples/flusher_bulk_insert.py
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ reorders deliveries. The handler charges each order once, whatever the broker do
     python examples/idempotent_handler.py                     # SQLite in a temporary dir
     python examples/idempotent_handler.py --checker redis     # fakeredis (or --redis-url)
     python examples/idempotent_handler.py --checker sql       # SqlChecker, leases
-    python examples/idempotent_handler.py --db postgresql+psycopg2://postgres@127.0.0.1/test
+    python examples/idempotent_handler.py --db postgresql+psycopg://postgres@127.0.0.1/test
 """
 
 from __future__ import annotations

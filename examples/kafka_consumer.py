@@ -36,7 +36,7 @@ def main() -> None:
     if len(sys.argv) > 1:
         bootstrap = sys.argv[1]
     else:
-        from msgpatterns.brokers.kafka_mock import KafkaMockCluster
+        from msgpatterns.testing.kafka_mock import KafkaMockCluster
 
         cluster = KafkaMockCluster()
         bootstrap = cluster.bootstrap_servers

@@ -14,7 +14,7 @@ workers handle them concurrently. Still:
   dead-letter store; everything else goes on.
 
     python examples/ordered_versions.py                 # SQLite in a temporary dir
-    python examples/ordered_versions.py --db postgresql+psycopg2://postgres@127.0.0.1/test
+    python examples/ordered_versions.py --db postgresql+psycopg://postgres@127.0.0.1/test
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ driver had died after the write and before Spark's commit - and restarts the que
 Spark re-runs that batch and the ledger skips it. Then it checks the table.
 
     python examples/spark_orders_to_sql.py                 # SQLite in a temporary file
-    python examples/spark_orders_to_sql.py postgresql+psycopg2://postgres@127.0.0.1/test
-    DATABASE_URL=postgresql+psycopg2://... python examples/spark_orders_to_sql.py
+    python examples/spark_orders_to_sql.py postgresql+psycopg://postgres@127.0.0.1/test
+    DATABASE_URL=postgresql+psycopg://... python examples/spark_orders_to_sql.py
 
 Needs Java 17+ and ``pip install msgpatterns[spark]``; runs offline in local mode.
 """

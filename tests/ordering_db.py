@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, MetaData, Table, create_engine
+from sqlalchemy import Column, Engine, Integer, MetaData, String, Table, Text, create_engine
 
 
 @contextmanager
@@ -35,3 +35,15 @@ def temp_table(engine: Engine, prefix: str, *columns: Any) -> Iterator[Table]:
         yield table
     finally:
         metadata.drop_all(engine)
+
+
+@contextmanager
+def orders_table(engine: Engine, prefix: str) -> Iterator[Table]:
+    """A throwaway ``(id primary key, state, version)`` table, VersionGuard's usual."""
+    with temp_table(
+        engine, prefix,
+        Column("id", String(64), primary_key=True),
+        Column("state", Text),
+        Column("version", Integer),
+    ) as table:
+        yield table

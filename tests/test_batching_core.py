@@ -354,7 +354,8 @@ def test_ack_messages_acks_after_success_and_with_the_error_after_failure(
     with make(kind, processor, threads=1, ack_messages=True, route=lambda m: 0) as helper:
         for key in ("a", "b", "bad", "c"):
             helper.add(message(key))
-        helper.add("not a message")
+        with pytest.raises(TypeError, match="must be a Message"):
+            helper.add("not a message")  # it could never be acked: refused, not ignored
         helper.add(self_acked)
     assert set(outcomes) == {"a", "b", "bad", "c", "self-acked"}
     for key, error in outcomes.items():

@@ -93,7 +93,7 @@ def test_flusher_sends_a_partial_batch_once_its_oldest_item_waited_the_interval(
 
 
 def channel_with(stamps: list[float], index: int = 0, taken: int = 0) -> Channel[int]:
-    channel: Channel[int] = Channel(index, 1000, threading.Lock())
+    channel: Channel[int] = Channel(index, 1000)
     for i, stamp in enumerate(stamps):
         channel.items.append(i)
         channel.stamps.append(stamp)

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(60)
     pytest.param("redis", marks=pytest.mark.redis),
     pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
     pytest.param("kafka", marks=pytest.mark.kafka),
+    pytest.param("nats", marks=pytest.mark.nats),
 ])
 def h_(request: pytest.FixtureRequest) -> Iterator[Harness]:
     yield from make_harness(request.param)

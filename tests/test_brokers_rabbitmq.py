@@ -179,11 +179,11 @@ def test_prefetch_bounds_unacked_deliveries(
 def test_publishing_where_no_group_listens_raises(
     rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
 ) -> None:
-    import pika
+    from msgpatterns.errors import UnroutableError
 
     topic, group = names
     broker = make(rabbitmq_url, brokers)
-    with pytest.raises(pika.exceptions.UnroutableError):
+    with pytest.raises(UnroutableError):
         broker.publish(topic, b"nobody listens")
     broker.subscribe(topic, group)
     broker.publish(topic, b"now someone does")

@@ -10,10 +10,20 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
-from msgpatterns import Backoff, Consumer, InMemoryBroker, Message, NeedRetry, RetryPolicy
+from msgpatterns import (
+    Backoff,
+    Consumer,
+    InMemoryBroker,
+    Message,
+    NeedRetry,
+    Reject,
+    RetryPolicy,
+)
 from msgpatterns.testing import EffectLog, assert_all_acked
 
 
@@ -249,3 +259,44 @@ def test_sigterm_stops_run_gracefully() -> None:
     assert summary["in_flight"] == 0
     assert summary["acked"] + summary["pending"] == 5000
     assert summary["acked"] > 0
+
+
+class _NoIds:
+    """Deliveries without an id, as from a publisher that set none (DESIGN 11)."""
+
+    def __init__(self, inner: InMemoryBroker) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
+              timeout: float = 0.0) -> list[Message]:
+        out = self.inner.fetch(topics, group, max_messages, timeout)
+        for message in out:
+            message.id = None
+        return out
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_id_less_messages_are_retried_acked_and_dead_lettered(ordered: bool) -> None:
+    """DESIGN 11 (identity): messages whose id is None go through retries, acks and
+    dead letters like any other, in both modes."""
+    inner = InMemoryBroker(seed=9)
+    for i in range(6):
+        inner.publish("t", i, key=None if i % 2 else f"k{i}")
+    broker = _NoIds(inner)
+
+    def handler(message: Message) -> None:
+        assert message.id is None
+        if message.body == 5:
+            raise Reject("five")
+        if message.attempt == 1:
+            raise NeedRetry(delay=60)
+
+    Consumer(broker, handler, topics=["t"], group="g", ordered=ordered,
+             workers=2).run_until_idle(timeout=5)
+    assert sorted(m.body for m in inner.acked) == [0, 1, 2, 3, 4]
+    (dead,) = inner.dead_letters
+    assert dead.id is None and dead.message.body == 5
+    assert inner.pending == 0

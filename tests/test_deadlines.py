@@ -100,3 +100,15 @@ def test_concurrent_track_and_untrack_lose_nothing(wheel: TimingWheel) -> None:
 def test_rejects_a_non_positive_timeout(wheel: TimingWheel) -> None:
     with pytest.raises(ValueError, match="positive"):
         DeadlineTracker(wheel, 0, lambda item: None)
+
+
+def test_a_stopped_wheel_disarms_the_tracker_without_errors(wheel: TimingWheel) -> None:
+    """Hole 22 (issue 10): the consumer stops its wheel at stop(); a tracker on it then
+    expires nothing and ``track`` from a late thread does not raise."""
+    expired: list[int] = []
+    tracker: DeadlineTracker[int] = DeadlineTracker(wheel, 0.01, expired.append)
+    wheel.stop()
+    tracker.track(1)
+    tracker.track(2)
+    assert tracker.untrack(1) is True
+    assert expired == [] and len(wheel) == 0

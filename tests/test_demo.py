@@ -9,7 +9,7 @@ import pytest
 
 from msgpatterns import InMemoryBroker
 from msgpatterns.cli import main
-from msgpatterns.demo import _check, run_demo
+from msgpatterns.demo.orders import _check, run_demo
 
 
 @pytest.mark.parametrize("seed", [1, 2])

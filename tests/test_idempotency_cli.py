@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from msgpatterns.cli import main
+from msgpatterns.cli.dedup import parse_age
 from msgpatterns.idempotency import SqlChecker, Status
-from msgpatterns.idempotency.cli import parse_age
 from msgpatterns.testing.checker_fixtures import FakeClock
 
 DAY = 86400.0

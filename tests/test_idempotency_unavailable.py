@@ -41,7 +41,7 @@ def unreachable_checkers(tmp_path: Path) -> list[Checker]:
     port = closed_port()
     return [
         RedisChecker(f"redis://127.0.0.1:{port}/0", policy=FAST),
-        SqlChecker(f"postgresql+psycopg2://postgres@127.0.0.1:{port}/test", policy=FAST),
+        SqlChecker(f"postgresql+psycopg://postgres@127.0.0.1:{port}/test", policy=FAST),
         SqlChecker(f"mysql+pymysql://root@127.0.0.1:{port}/test", policy=FAST),
         SqlChecker(f"sqlite:///{tmp_path}/missing-dir/dedup.db", policy=FAST),
         TransactionalSqlChecker(f"sqlite:///{tmp_path}/missing-dir/dedup.db", policy=FAST),

@@ -17,7 +17,6 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
-    Text,
     UniqueConstraint,
     select,
 )
@@ -27,7 +26,7 @@ from msgpatterns import Consumer, InMemoryBroker, Message, NeedRetry, RetryPolic
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.ordering import InvalidVersion, MissingVersion, VersionConflict, VersionGuard
 from msgpatterns.testing import assert_dead_lettered
-from ordering_db import engine_for, temp_table
+from ordering_db import engine_for, orders_table, temp_table
 
 
 @pytest.fixture
@@ -38,12 +37,7 @@ def engine(sql_url: str) -> Iterator[Engine]:
 
 @pytest.fixture
 def orders(engine: Engine) -> Iterator[Table]:
-    with temp_table(
-        engine, "vg_orders",
-        Column("id", String(64), primary_key=True),
-        Column("state", Text),
-        Column("version", Integer),
-    ) as table:
+    with orders_table(engine, "vg_orders") as table:
         yield table
 
 

@@ -10,7 +10,7 @@ BLOCK_EXTRAS = textwrap.dedent(
     """
     import importlib.abc, sys
     BLOCKED = {"redis", "fakeredis", "sqlalchemy", "pika", "confluent_kafka", "pyspark",
-               "rich", "psycopg2", "pymysql"}
+               "rich", "psycopg2", "psycopg", "pymysql"}
     class Blocker(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in BLOCKED:
