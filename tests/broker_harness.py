@@ -281,8 +281,9 @@ class KafkaHarness(Harness):
     def crash(self, broker: Broker) -> None:
         # The consumer goes away without committing anything (what a killed process
         # leaves behind); leaving the group lets the next consumer in at once.
+        # Bounded like KafkaBroker.close(): librdkafka's close has no timeout of its own.
         for state in broker._groups.values():  # type: ignore[attr-defined]
-            state.consumer.close()
+            broker._close_consumer(state.consumer)  # type: ignore[attr-defined]
         broker._groups.clear()  # type: ignore[attr-defined]
 
 
