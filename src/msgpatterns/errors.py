@@ -170,8 +170,14 @@ class QueueClosed(MsgPatternsError):
     """An item was added to a batching queue after ``close()``."""
 
 
-class ConfigurationError(MsgPatternsError, ValueError):
-    """An argument or combination of arguments is invalid."""
+class ConfigurationError(MsgPatternsError, ValueError, TypeError):
+    """An argument or combination of arguments is invalid: a misuse, raised when the
+    part is built (or decorated) whenever the mistake is visible then.
+
+    It is both a ``ValueError`` and a ``TypeError``, the two built-in exceptions Python
+    code raises for a bad argument, so ``except ValueError`` and ``except TypeError``
+    written against earlier releases (or against the standard library's habits) keep
+    catching it."""
 
 
 class BrokerError(MsgPatternsError):

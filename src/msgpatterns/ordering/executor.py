@@ -174,6 +174,11 @@ class OrderedExecutor:
                 if thread is not current:
                     thread.join()
 
+    def close(self) -> None:
+        """``shutdown(wait=True)`` (the lifecycle verb every part has): every task
+        already submitted runs, then the lanes exit; idempotent."""
+        self.shutdown(wait=True)
+
     def __enter__(self) -> OrderedExecutor:
         return self
 
