@@ -129,3 +129,61 @@ def test_an_ordered_executor_has_close() -> None:
     assert [f.done() for f in futures] == [True] * 5
     assert ran == [0, 1, 2, 3, 4]
     executor.close()  # idempotent
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens once the socket is closed
+
+
+def test_client_library_errors_come_out_as_the_library_own() -> None:
+    """An unreachable server is a BrokerUnavailable with the client's exception as its
+    cause, from the dead-letter admins as from the adapters."""
+    from msgpatterns.errors import BrokerUnavailable
+
+    pytest.importorskip("redis")
+    pytest.importorskip("pika")
+    from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
+    from msgpatterns.brokers.admin.redis_streams import RedisStreamsDeadLetters
+
+    port = _closed_port()
+    with RedisStreamsDeadLetters(f"redis://127.0.0.1:{port}/0") as admin, \
+            pytest.raises(BrokerUnavailable) as caught:
+        admin.list_dead_letters("t")
+    assert caught.value.__cause__ is not None
+    with pytest.raises(BrokerUnavailable) as caught:
+        RabbitMQDeadLetters(f"amqp://guest:guest@127.0.0.1:{port}/?connection_attempts=1"
+                            ).list_dead_letters("t", "g")
+    assert caught.value.__cause__ is not None
+    with pytest.raises(ConfigurationError):
+        RabbitMQDeadLetters(42)
+
+
+def test_fetch_takes_one_topic_name_or_a_list_on_every_adapter_alike() -> None:
+    """The topic-list normalisation lives in the shared adapter base: a bare name is
+    one topic, never a sequence of one-letter topics; a non-string topic is refused."""
+    broker = InMemoryBroker()
+    broker.publish("orders", b"x")
+    [message] = broker.fetch("orders", "g")
+    assert message.topic == "orders"
+    with pytest.raises(ConfigurationError):
+        broker.fetch(["orders", 3], "g")  # type: ignore[list-item]
+
+
+def test_checkers_take_url_first_and_keep_their_old_keywords(tmp_path: Any) -> None:
+    pytest.importorskip("sqlalchemy")
+    fakeredis = pytest.importorskip("fakeredis")
+    from msgpatterns import RedisChecker, SqlChecker, TransactionalSqlChecker
+
+    for cls in (RedisChecker, SqlChecker, TransactionalSqlChecker):
+        assert next(iter(inspect.signature(cls).parameters)) == "url"
+    url = f"sqlite:///{tmp_path / 'dedup.db'}"
+    for old in (SqlChecker(engine_or_url=url),  # type: ignore[call-arg]
+                TransactionalSqlChecker(engine_or_url=url),  # type: ignore[call-arg]
+                RedisChecker(client_or_url=fakeredis.FakeRedis())):  # type: ignore[call-arg]
+        old.close()
+    with pytest.raises(ConfigurationError, match="not both"):
+        SqlChecker(url, engine_or_url=url)  # type: ignore[call-arg]

@@ -11,12 +11,13 @@ a running event loop wrap it in :class:`~msgpatterns.aio.admin.AsyncDeadLetters`
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
+from msgpatterns.brokers._adapter import Closable, topic_list
 from msgpatterns.deadletter import body_bytes
-from msgpatterns.errors import BrokerClosed
+from msgpatterns.message import Message
 
 if TYPE_CHECKING:
     from msgpatterns.brokers.admin.base import DeadLetterAdmin
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncBrokerAdapter"]
 
 
-class AsyncBrokerAdapter(ABC):
+class AsyncBrokerAdapter(Closable):
     """Base class of the async adapters (see the module docstring)."""
 
     def now(self) -> float:
@@ -44,14 +45,16 @@ class AsyncBrokerAdapter(ABC):
                        headers: Mapping[str, str]) -> str:
         """Send one message (the adapter's wire encoding); its id."""
 
-    @property
-    @abstractmethod
-    def closed(self) -> bool:
-        """True once :meth:`close` was called."""
+    async def fetch(self, topics: str | Sequence[str], group: str, max_messages: int = 1,
+                    timeout: float = 0.0) -> list[Message]:
+        """Up to ``max_messages`` deliveries of ``topics`` (one topic name is accepted
+        too) for ``group``, waiting up to ``timeout`` seconds when none is ready."""
+        return await self._fetch_messages(topic_list(topics), group, max_messages, timeout)
 
-    def _check_open(self) -> None:
-        if self.closed:
-            raise BrokerClosed(f"{self!r} is closed")
+    @abstractmethod
+    async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                              timeout: float) -> list[Message]:
+        """:meth:`fetch` with the topics as a list."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -37,7 +37,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any
 from msgpatterns._extras import require
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._adapter import topic_list
 from msgpatterns.brokers.rabbitmq import (
     RabbitMQBroker,
     dead_letter_queue_arguments,
@@ -173,12 +172,11 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         self._check_open()
         await self._declare_group(topic, group)
 
-    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-                    timeout: float = 0.0) -> list[Message]:
+    async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                             timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries of ``group``'s queues, waiting up to
         ``timeout`` seconds for the first."""
         self._check_open()
-        topics = topic_list(topics)
         queues = []
         for topic in topics:
             queues.append(await self._start_consuming(topic, group))

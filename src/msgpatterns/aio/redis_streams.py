@@ -31,10 +31,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -42,22 +39,18 @@ from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._adapter import topic_list
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers.redis_streams import (
-    _CLAIM,
-    _PROMOTE,
-    _SETTLE,
     RedisStreamsBroker,
+    StreamsSettings,
     _b,
     _NoGroup,
     _pack,
     _Receipt,
-    client_from,
     redis_error,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
-from msgpatterns.errors import BrokerClosed, BrokerError, ConfigurationError
+from msgpatterns.errors import BrokerClosed, BrokerError
 from msgpatterns.message import Message
 
 redis = require("redis", "redis")
@@ -104,7 +97,7 @@ class _Decoder:
         self.buried.append((message, record))
 
 
-class AsyncRedisStreamsBroker(AsyncBrokerAdapter):
+class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     """The async Broker protocol on Redis Streams (see the module docstring).
 
     Args:
@@ -135,26 +128,7 @@ class AsyncRedisStreamsBroker(AsyncBrokerAdapter):
         start_id: str = "0",
         promote_interval: float = 0.05,
     ) -> None:
-        if visibility_timeout <= 0:
-            raise ConfigurationError("visibility_timeout must be positive")
-        self._redis, self._owns_client = client_from(url, aioredis.Redis)
-        self.consumer = consumer or (
-            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-        self.visibility_timeout = visibility_timeout
-        self.claim_interval = (claim_interval if claim_interval is not None
-                               else min(max(visibility_timeout / 4, 0.05), 30.0))
-        self.maxlen = maxlen
-        self.dead_letter_maxlen = dead_letter_maxlen
-        self.start_id = start_id
-        self.promote_interval = promote_interval
-        self._settle_script = self._redis.register_script(_SETTLE)
-        self._promote_script = self._redis.register_script(_PROMOTE)
-        self._claim_script = self._redis.register_script(_CLAIM)
-        self._groups: set[tuple[str, str]] = set()
-        self._claim_at: dict[tuple[str, str], float] = {}
-        self._cursors: dict[tuple[str, str], bytes] = {}
-        self._promote_at: dict[tuple[str, str], float] = {}
-        self._next_due: dict[tuple[str, str], float] = {}
+        self._configure(url, aioredis.Redis, locals())  # the options, by their names
         self._closed = False
         self._fetches = 0
         self._no_fetch = asyncio.Event()
@@ -191,13 +165,12 @@ class AsyncRedisStreamsBroker(AsyncBrokerAdapter):
         self._check_open()
         await self._ensure_groups([topic], group)
 
-    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-                    timeout: float = 0.0) -> list[Message]:
+    async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                             timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries: stale ones claimed from dead consumers,
         due retries, then new entries (waiting up to ``timeout`` seconds). A fetch that
         returns after :meth:`close` began hands back what it read and raises
         :class:`~msgpatterns.errors.BrokerClosed`."""
-        topics = topic_list(topics)
         self._check_open()
         self._fetches += 1
         self._no_fetch.clear()

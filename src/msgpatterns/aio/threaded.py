@@ -11,11 +11,10 @@ sync :class:`~msgpatterns.Consumer` calls it from several threads).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
-from msgpatterns.brokers._adapter import topic_list
 from msgpatterns.brokers.admin.base import DeadLetterAdmin
 from msgpatterns.brokers.base import Broker
 from msgpatterns.deadletter import DeadLetter
@@ -58,9 +57,9 @@ class ThreadedAsyncBroker(AsyncBrokerAdapter):
         if subscribe is not None:
             await asyncio.to_thread(subscribe, topic, group)
 
-    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-                    timeout: float = 0.0) -> list[Message]:
-        return await asyncio.to_thread(self.sync.fetch, topic_list(topics), group,
+    async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                             timeout: float) -> list[Message]:
+        return await asyncio.to_thread(self.sync.fetch, topics, group,
                                        max_messages, timeout)
 
     async def ack(self, message: Message) -> None:

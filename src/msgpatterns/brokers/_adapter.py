@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any, Self
 
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import BrokerClosed, ConfigurationError
+from msgpatterns.message import Message
 
 if TYPE_CHECKING:
     from msgpatterns.brokers.admin.base import DeadLetterAdmin
 
-__all__ = ["BrokerAdapter", "topic_list"]
+__all__ = ["BrokerAdapter", "Closable", "topic_list"]
 
 
 def topic_list(topics: str | Sequence[str]) -> list[str]:
@@ -36,7 +37,21 @@ def topic_list(topics: str | Sequence[str]) -> list[str]:
     return out
 
 
-class BrokerAdapter(ABC):
+class Closable(ABC):
+    """The closed-state check shared by the sync and the async adapters."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+
+    def _check_open(self) -> None:
+        """Raise :class:`~msgpatterns.errors.BrokerClosed` at once after ``close()``."""
+        if self.closed:
+            raise BrokerClosed(f"{self!r} is closed")
+
+
+class BrokerAdapter(Closable):
     """Base class of the sync adapters (see the module docstring)."""
 
     def now(self) -> float:
@@ -57,15 +72,17 @@ class BrokerAdapter(ABC):
                  headers: Mapping[str, str]) -> str:
         """Send one message (the adapter's wire encoding); its id."""
 
-    @property
-    @abstractmethod
-    def closed(self) -> bool:
-        """True once :meth:`close` was called."""
+    def fetch(self, topics: str | Sequence[str], group: str, max_messages: int = 1,
+              timeout: float = 0.0) -> list[Message]:
+        """Up to ``max_messages`` deliveries of ``topics`` (one topic name is accepted
+        too) for ``group``, waiting up to ``timeout`` seconds when none is ready. Each
+        has a durable ``attempt`` and a receipt only this adapter reads."""
+        return self._fetch_messages(topic_list(topics), group, max_messages, timeout)
 
-    def _check_open(self) -> None:
-        """Raise :class:`~msgpatterns.errors.BrokerClosed` at once after :meth:`close`."""
-        if self.closed:
-            raise BrokerClosed(f"{self!r} is closed")
+    @abstractmethod
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                        timeout: float) -> list[Message]:
+        """:meth:`fetch` with the topics as a list."""
 
     @abstractmethod
     def close(self) -> None:

@@ -60,7 +60,7 @@ from msgpatterns import headers as h
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._adapter import BrokerAdapter, topic_list
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import (
@@ -403,20 +403,14 @@ class KafkaBroker(BrokerAdapter):
         with self._life.operation("subscribe"):
             self._group(group, [topic])
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` records of ``topics`` and their due retries, waiting
         up to ``timeout`` seconds. Commits what became safe to commit first.
 
         A fetch in progress when :meth:`close` begins returns at once, and nothing it
         read after that is handed out or counted (it stays uncommitted, so the group
         reads it again)."""
-        topics = topic_list(topics)
         with self._life.operation("fetch"):
             state = self._group(group, topics)
             self._commit(state, asynchronous=True)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from msgpatterns.brokers._adapter import BrokerAdapter, topic_list
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import MAX_DURATION, ConfigurationError, seconds
@@ -261,13 +261,8 @@ class InMemoryBroker(BrokerAdapter):
     def now(self) -> float:
         return self.clock.now()
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries for ``group``, waiting up to ``timeout``.
 
         A fetch waiting when :meth:`close` is called returns at once with nothing; a
@@ -276,7 +271,7 @@ class InMemoryBroker(BrokerAdapter):
         give_up = time.monotonic() + _duration(timeout, "fetch timeout")
         with self._cond:
             self._check_open()
-            lanes = [(t, self._lane(group, t)) for t in topic_list(topics)]
+            lanes = [(t, self._lane(group, t)) for t in topics]
             while True:
                 out: list[Message] = []
                 now = self.clock.now()

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._adapter import BrokerAdapter, topic_list
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, ConfigurationError
@@ -201,11 +201,10 @@ class NatsJetStreamBroker(BrokerAdapter):
         """Create ``group``'s consumers on ``topic`` now (a fetch does it otherwise)."""
         self._run(self._subscriptions(topic, group))
 
-    def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-              timeout: float = 0.0) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries: due retries first, then new messages
         (waiting up to ``timeout`` seconds)."""
-        topics = topic_list(topics)
         return self._run(self._fetch(list(topics), group, max_messages, timeout),
                          timeout + 30)
 

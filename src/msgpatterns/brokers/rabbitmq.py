@@ -72,7 +72,7 @@ from msgpatterns import headers as h
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._adapter import BrokerAdapter, topic_list
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._reconnect import (
     RECONNECT_BACKOFF,
@@ -520,17 +520,11 @@ class RabbitMQBroker(BrokerAdapter):
         with self._errors("subscribe"):
             self._call(lambda _: self._declare_group(topic, group))
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries of ``group``'s queues, waiting up to
         ``timeout`` seconds for the first (returns early, empty, if closed meanwhile)."""
         self._check_open()
-        topics = topic_list(topics)
         queues = [self.queue_name(t, group) for t in topics]
         for topic, queue in zip(topics, queues, strict=True):
             if queue not in self._routes:

@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._adapter import BrokerAdapter, topic_list
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers._reconnect import reconnect_backoff, reconnecting
 from msgpatterns.deadletter import DeadLetter, body_bytes
@@ -254,7 +254,45 @@ class _Read:
     client_id: int | None = None
 
 
-class RedisStreamsBroker(BrokerAdapter):
+class StreamsSettings:
+    """The settings and per-group bookkeeping every Redis Streams adapter (sync and
+    async) starts with: one place for their meaning and defaults."""
+
+    consumer: str
+    visibility_timeout: float
+    claim_interval: float
+    maxlen: int | None
+    dead_letter_maxlen: int | None
+    start_id: str
+    promote_interval: float
+
+    def _configure(self, url: Any, factory: Any, options: Mapping[str, Any]) -> None:
+        """Apply the constructor's ``url`` (see :func:`client_from`) and options."""
+        visibility_timeout = options["visibility_timeout"]
+        if visibility_timeout <= 0:
+            raise ConfigurationError("visibility_timeout must be positive")
+        self._redis, self._owns_client = client_from(url, factory)
+        self.consumer = options["consumer"] or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.visibility_timeout = visibility_timeout
+        claim_interval = options["claim_interval"]
+        self.claim_interval = (claim_interval if claim_interval is not None
+                               else min(max(visibility_timeout / 4, 0.05), 30.0))
+        self.maxlen = options["maxlen"]
+        self.dead_letter_maxlen = options["dead_letter_maxlen"]
+        self.start_id = options["start_id"]
+        self.promote_interval = options["promote_interval"]
+        self._settle_script = self._redis.register_script(_SETTLE)
+        self._promote_script = self._redis.register_script(_PROMOTE)
+        self._claim_script = self._redis.register_script(_CLAIM)
+        self._groups: set[tuple[str, str]] = set()
+        self._claim_at: dict[tuple[str, str], float] = {}
+        self._cursors: dict[tuple[str, str], bytes] = {}
+        self._promote_at: dict[tuple[str, str], float] = {}
+        self._next_due: dict[tuple[str, str], float] = {}
+
+
+class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on Redis Streams.
 
     Recovery time after a consumer dies: its deliveries become claimable
@@ -300,36 +338,14 @@ class RedisStreamsBroker(BrokerAdapter):
         ack_batch: int = 256,
         promote_interval: float = 0.05,
     ) -> None:
-        if visibility_timeout <= 0:
-            raise ConfigurationError("visibility_timeout must be positive")
-        self._redis, self._owns_client = client_from(url, redis.Redis)
-        self.consumer = consumer or (
-            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        )
-        self.visibility_timeout = visibility_timeout
-        self.claim_interval = (
-            claim_interval if claim_interval is not None
-            else min(max(visibility_timeout / 4, 0.05), 30.0)
-        )
-        self.maxlen = maxlen
-        self.dead_letter_maxlen = dead_letter_maxlen
-        self.start_id = start_id
-        self._settle_script = self._redis.register_script(_SETTLE)
-        self._promote_script = self._redis.register_script(_PROMOTE)
-        self._claim_script = self._redis.register_script(_CLAIM)
+        self._configure(url, redis.Redis, locals())  # the options, by their names
         self._lock = threading.Lock()
-        self._groups: set[tuple[str, str]] = set()
-        self._claim_at: dict[tuple[str, str], float] = {}
-        self._cursors: dict[tuple[str, str], bytes] = {}
         self._overflow: list[Message] = []
         self._closed = threading.Event()
         self._retrying = reconnecting(
             _CONNECTION_ERRORS, logger=log, what="redis call", attempts=5,
             backoff=reconnect_backoff(2.0), until=self._closed,
         )
-        self.promote_interval = promote_interval
-        self._promote_at: dict[tuple[str, str], float] = {}
-        self._next_due: dict[tuple[str, str], float] = {}
         self.ack_flush_interval = ack_flush_interval
         self.ack_batch = max(1, ack_batch)
         self._acks: list[_Receipt] = []
@@ -403,19 +419,13 @@ class RedisStreamsBroker(BrokerAdapter):
         self._check_open()
         self._ensure_groups([topic], group)
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries: stale ones claimed from dead consumers,
         due retries, then new entries (waiting up to ``timeout`` seconds).
 
         A :meth:`close` from another thread wakes a waiting fetch: it hands back what
         it read and raises :class:`~msgpatterns.errors.BrokerClosed`."""
-        topics = topic_list(topics)
         read = _Read()
         with self._lock:
             self._check_open()
