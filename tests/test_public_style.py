@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from msgpatterns import Backoff, InMemoryBroker, OrderedExecutor, TimingWheel
-from msgpatterns.errors import ConfigurationError
+from msgpatterns.errors import ClosedError, ConfigurationError, QueueClosed
 from msgpatterns.testing import services
 
 ADAPTERS = [
@@ -116,7 +116,9 @@ def test_a_timing_wheel_closes_as_a_context_manager() -> None:
         assert fired.wait(5)
         handle = wheel.schedule(3600.0, fired.clear)
     assert handle.cancelled  # close() stopped the wheel: the timer never fires
-    with pytest.raises(RuntimeError):  # stopped: nothing is scheduled any more
+    with pytest.raises(ClosedError):  # stopped: nothing is scheduled any more
+        wheel.schedule(1.0, fired.clear)
+    with pytest.raises(RuntimeError):  # what it raised before: still caught
         wheel.schedule(1.0, fired.clear)
     wheel.close()  # idempotent
 
@@ -129,6 +131,8 @@ def test_an_ordered_executor_has_close() -> None:
     assert [f.done() for f in futures] == [True] * 5
     assert ran == [0, 1, 2, 3, 4]
     executor.close()  # idempotent
+    with pytest.raises(ClosedError):
+        executor.submit("k", ran.append, 5)
 
 
 def _closed_port() -> int:
@@ -187,3 +191,8 @@ def test_checkers_take_url_first_and_keep_their_old_keywords(tmp_path: Any) -> N
         old.close()
     with pytest.raises(ConfigurationError, match="not both"):
         SqlChecker(url, engine_or_url=url)  # type: ignore[call-arg]
+
+
+def test_closed_errors_share_one_type() -> None:
+    assert issubclass(QueueClosed, ClosedError)
+    assert issubclass(ClosedError, RuntimeError)

@@ -24,6 +24,7 @@ __all__ = [
     "BrokerClosed",
     "BrokerError",
     "BrokerUnavailable",
+    "ClosedError",
     "ConfigurationError",
     "IdempotencyConflict",
     "InProgress",
@@ -166,7 +167,13 @@ class StoreUnavailable(MsgPatternsError):
     """A backing store (Redis, SQL, ...) could not be reached after retries."""
 
 
-class QueueClosed(MsgPatternsError):
+class ClosedError(MsgPatternsError, RuntimeError):
+    """A part was used after ``close()`` (or ``stop()`` / ``shutdown()``): a timing
+    wheel, an ordered executor, a batching queue. A ``RuntimeError``, as the standard
+    library's executors raise after shutdown. Brokers raise :class:`BrokerClosed`."""
+
+
+class QueueClosed(ClosedError):
     """An item was added to a batching queue after ``close()``."""
 
 

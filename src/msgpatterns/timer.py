@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from msgpatterns.errors import ConfigurationError, seconds
+from msgpatterns.errors import ClosedError, ConfigurationError, seconds
 
 __all__ = ["TimerHandle", "TimingWheel"]
 
@@ -91,7 +91,7 @@ class TimingWheel:
         delay_s = seconds(delay) or 0.0
         with self._lock:
             if self._stopped:
-                raise RuntimeError(f"TimingWheel {self.name!r} is stopped")
+                raise ClosedError(f"TimingWheel {self.name!r} is stopped")
             now = self._clock() - self._start
             if self._thread is None:  # the thread parks when idle: skip the empty ticks
                 self._current_tick = max(self._current_tick, math.floor(now / self.tick))
