@@ -10,11 +10,46 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 from msgpatterns.errors import ConfigurationError
 
-__all__ = ["is_async_callable", "require_async_callable", "require_sync_callable"]
+__all__ = [
+    "is_async_callable",
+    "renamed_arguments",
+    "require_async_callable",
+    "require_sync_callable",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def renamed_arguments(**old_names: str) -> Callable[[F], F]:
+    """Keep old keyword names of a function's arguments working (thin aliases):
+    ``@renamed_arguments(client_or_url="url")`` lets callers still write
+    ``client_or_url=...``. Giving both spellings raises
+    :class:`~msgpatterns.errors.ConfigurationError`. Type checkers see only the new
+    names."""
+
+    def decorate(fn: F) -> F:
+        positions = {p.name: i for i, p in enumerate(inspect.signature(fn).parameters.values())
+                     if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+
+        @functools.wraps(fn)
+        def accepting_old_names(*args: Any, **kwargs: Any) -> Any:
+            for old, new in old_names.items():
+                if old in kwargs:
+                    if new in kwargs or positions.get(new, len(args)) < len(args):
+                        raise ConfigurationError(
+                            f"{fn.__qualname__}: pass {new}= or its old name {old}=, "
+                            "not both")
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return cast(F, accepting_old_names)
+
+    return decorate
 
 
 def is_async_callable(fn: Any) -> bool:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from msgpatterns.errors import ConfigurationError
 from msgpatterns.timer import TimingWheel
 
 __all__ = ["DeadlineTracker"]
@@ -42,7 +43,7 @@ class DeadlineTracker(Generic[T]):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if timeout <= 0:
-            raise ValueError("timeout must be positive")
+            raise ConfigurationError("timeout must be positive")
         self._wheel = wheel
         self._timeout = timeout
         self._on_expire = on_expire

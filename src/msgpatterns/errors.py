@@ -24,6 +24,7 @@ __all__ = [
     "BrokerClosed",
     "BrokerError",
     "BrokerUnavailable",
+    "ClosedError",
     "ConfigurationError",
     "IdempotencyConflict",
     "InProgress",
@@ -166,12 +167,24 @@ class StoreUnavailable(MsgPatternsError):
     """A backing store (Redis, SQL, ...) could not be reached after retries."""
 
 
-class QueueClosed(MsgPatternsError):
+class ClosedError(MsgPatternsError, RuntimeError):
+    """A part was used after ``close()`` (or ``stop()`` / ``shutdown()``): a timing
+    wheel, an ordered executor, a batching queue. A ``RuntimeError``, as the standard
+    library's executors raise after shutdown. Brokers raise :class:`BrokerClosed`."""
+
+
+class QueueClosed(ClosedError):
     """An item was added to a batching queue after ``close()``."""
 
 
-class ConfigurationError(MsgPatternsError, ValueError):
-    """An argument or combination of arguments is invalid."""
+class ConfigurationError(MsgPatternsError, ValueError, TypeError):
+    """An argument or combination of arguments is invalid: a misuse, raised when the
+    part is built (or decorated) whenever the mistake is visible then.
+
+    It is both a ``ValueError`` and a ``TypeError``, the two built-in exceptions Python
+    code raises for a bad argument, so ``except ValueError`` and ``except TypeError``
+    written against earlier releases (or against the standard library's habits) keep
+    catching it."""
 
 
 class BrokerError(MsgPatternsError):

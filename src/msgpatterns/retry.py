@@ -135,7 +135,8 @@ ROCKETMQ_LEVELS: tuple[float, ...] = (
 class _Exponential(Backoff):
     def __init__(self, initial: float, factor: float, cap: float, jitter: bool) -> None:
         if initial < 0 or factor < 1 or cap < 0:
-            raise ValueError("exponential backoff needs initial >= 0, factor >= 1, max >= 0")
+            raise ConfigurationError(
+                "exponential backoff needs initial >= 0, factor >= 1, max >= 0")
         self.initial, self.factor, self.max, self.jitter = initial, factor, cap, jitter
         strategy = tenacity.wait_random_exponential if jitter else tenacity.wait_exponential
         self._wait = strategy(multiplier=initial, exp_base=factor, max=cap)
@@ -153,7 +154,7 @@ class _Exponential(Backoff):
 class _Levels(Backoff):
     def __init__(self, delays: Sequence[float]) -> None:
         if not delays:
-            raise ValueError("Backoff.levels needs at least one delay")
+            raise ConfigurationError("Backoff.levels needs at least one delay")
         self.delays = tuple(delays)
 
     def delay(self, attempt: int) -> float:

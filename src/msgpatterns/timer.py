@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from msgpatterns.errors import seconds
+from msgpatterns.errors import ClosedError, ConfigurationError, seconds
 
 __all__ = ["TimerHandle", "TimingWheel"]
 
@@ -66,9 +66,9 @@ class TimingWheel:
     ) -> None:
         tick_s = seconds(tick)
         if not tick_s or tick_s <= 0:
-            raise ValueError("tick must be positive")
+            raise ConfigurationError("tick must be positive")
         if slots < 1:
-            raise ValueError("slots must be at least 1")
+            raise ConfigurationError("slots must be at least 1")
         self.tick: float = tick_s
         self.slots = slots
         self.name = name
@@ -91,7 +91,7 @@ class TimingWheel:
         delay_s = seconds(delay) or 0.0
         with self._lock:
             if self._stopped:
-                raise RuntimeError(f"TimingWheel {self.name!r} is stopped")
+                raise ClosedError(f"TimingWheel {self.name!r} is stopped")
             now = self._clock() - self._start
             if self._thread is None:  # the thread parks when idle: skip the empty ticks
                 self._current_tick = max(self._current_tick, math.floor(now / self.tick))
@@ -129,6 +129,16 @@ class TimingWheel:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         return left
+
+    def close(self) -> None:
+        """:meth:`stop` (the lifecycle verb every part has); idempotent."""
+        self.stop()
+
+    def __enter__(self) -> TimingWheel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _run(self) -> None:
         while True:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from msgpatterns.aio.admin import AsyncDeadLetters
 from msgpatterns.aio.base import AsyncBroker
 from msgpatterns.aio.batching import AsyncBatchExecutor, AsyncFlusher, AsyncMultipleQueueFlusher
 from msgpatterns.aio.consumer import AsyncConsumer, AsyncHandler
@@ -28,6 +29,7 @@ __all__ = [
     "AsyncBatchExecutor",
     "AsyncBroker",
     "AsyncConsumer",
+    "AsyncDeadLetters",
     "AsyncFlusher",
     "AsyncHandler",
     "AsyncInMemoryBroker",

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from msgpatterns._callables import renamed_arguments
 from msgpatterns.aio.threaded import ThreadedAsyncBroker
 from msgpatterns.brokers.kafka import KafkaBroker
 
@@ -25,11 +26,12 @@ __all__ = ["AsyncKafkaBroker"]
 
 
 class AsyncKafkaBroker(ThreadedAsyncBroker):
-    """``AsyncKafkaBroker(bootstrap_or_config, **options)``: the options of
+    """``AsyncKafkaBroker(url, **options)``: the arguments of
     :class:`~msgpatterns.brokers.KafkaBroker`; :attr:`sync` is that broker (its
     dead-letter admin, ``commit``, ...)."""
 
     sync: KafkaBroker
 
-    def __init__(self, bootstrap_or_config: str | Mapping[str, Any], **options: Any) -> None:
-        super().__init__(KafkaBroker(bootstrap_or_config, **options))
+    @renamed_arguments(bootstrap_or_config="url")
+    def __init__(self, url: str | Mapping[str, Any], **options: Any) -> None:
+        super().__init__(KafkaBroker(url, **options))

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from msgpatterns.brokers._adapter import topic_list
 from msgpatterns.brokers.memory import BrokerEvent, BrokerStats, InMemoryBroker, VirtualClock
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.errors import ConfigurationError
 from msgpatterns.message import Message
+
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.memory import InMemoryDeadLetters
 
 __all__ = ["AsyncInMemoryBroker"]
 
@@ -36,7 +41,7 @@ class AsyncInMemoryBroker:
 
     def __init__(self, broker: InMemoryBroker | None = None, **options: Any) -> None:
         if broker is not None and options:
-            raise TypeError("pass either an InMemoryBroker or its options, not both")
+            raise ConfigurationError("pass either an InMemoryBroker or its options, not both")
         self.sync = broker if broker is not None else InMemoryBroker(**options)
 
     # -- AsyncBroker protocol ---------------------------------------------------------
@@ -61,8 +66,7 @@ class AsyncInMemoryBroker:
                     timeout: float = 0.0) -> list[Message]:
         """Up to ``max_messages`` deliveries; waits up to ``timeout`` seconds (in a
         worker thread) only when none is ready now."""
-        if isinstance(topics, str):
-            topics = [topics]
+        topics = topic_list(topics)
         ready = self.sync.fetch(topics, group, max_messages, 0.0)
         if ready or timeout <= 0:
             return ready
@@ -127,7 +131,11 @@ class AsyncInMemoryBroker:
     def closed(self) -> bool:
         return self.sync.closed
 
-    def list_dead_letters(self, topic: str, group: str | None = None) -> list[DeadLetter]:
+    def dead_letter_admin(self) -> InMemoryDeadLetters:
+        """The fake's dead-letter admin (see :meth:`InMemoryBroker.dead_letter_admin`)."""
+        return self.sync.dead_letter_admin()
+
+    def list_dead_letters(self, topic: str, group: str | None = None, *,
+                          limit: int | None = None) -> list[DeadLetter]:
         """Dead letters of ``topic`` (of ``group``, or all groups)."""
-        return [r for r in self.sync.dead_letters
-                if r.message.topic == topic and (group is None or r.group == group)]
+        return self.sync.list_dead_letters(topic, group, limit=limit)

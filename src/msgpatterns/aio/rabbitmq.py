@@ -4,7 +4,8 @@ RabbitMQ with aio-pika.
 Same topology and wire format as the sync :class:`~msgpatterns.brokers.RabbitMQBroker`
 (this module calls its naming, queue-argument, wire and decoding functions; it does not
 copy them), so the two read each other's messages, retries and dead letters, and the
-sync adapter's dead-letter admin (``msgpatterns dlq``) manages both:
+same dead-letter admin (:meth:`AsyncRabbitMQBroker.dead_letter_admin`, ``msgpatterns
+dlq``) manages both:
 
 * exchange ``T`` (fanout, durable); queue ``T.G`` (durable, quorum by default) bound to
   it; ``T.G.retry.<ms>`` TTL queues dead-lettering back to ``T.G`` (a delayed retry
@@ -36,12 +37,13 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgpatterns._extras import require
+from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers.rabbitmq import (
     RabbitMQBroker,
@@ -51,9 +53,8 @@ from msgpatterns.brokers.rabbitmq import (
     redelivery_wire,
     retry_queue_arguments,
 )
-from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import (
-    BrokerClosed,
     BrokerError,
     BrokerUnavailable,
     ConfigurationError,
@@ -64,6 +65,9 @@ from msgpatterns.errors import (
 from msgpatterns.message import Message
 
 aio_pika = require("aio_pika", "rabbitmq")
+
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
 
 __all__ = ["AsyncRabbitMQBroker"]
 
@@ -97,7 +101,7 @@ def _message(topic: str, incoming: Any) -> Message:
     return RabbitMQBroker._message(topic, method, properties, incoming.body)
 
 
-class AsyncRabbitMQBroker:
+class AsyncRabbitMQBroker(AsyncBrokerAdapter):
     """The async Broker protocol on RabbitMQ (see the module docstring).
 
     Args:
@@ -151,20 +155,16 @@ class AsyncRabbitMQBroker:
 
     # -- AsyncBroker protocol ---------------------------------------------------------
 
-    def now(self) -> float:
-        return time.time()
-
-    async def publish(self, topic: str, body: Any, *, key: str | None = None,
-                      headers: Mapping[str, str] | None = None) -> str:
-        """Publish to the topic's exchange and wait for the confirm; returns the message
-        id. Raises UnroutableError when nothing would keep it (nothing is declared)."""
-        self._check_open()
+    async def _publish(self, topic: str, payload: bytes, key: str | None,
+                       headers: Mapping[str, str]) -> str:
+        """Publish to the topic's exchange and wait for the confirm. Raises
+        UnroutableError when nothing would keep it (nothing is declared)."""
         message_id = uuid.uuid4().hex
         props = RabbitMQBroker._properties(message_id, codec.wire_headers(headers, key=key))
         side = await self._side_channel()
         exchange = await side.get_exchange(self.exchange_name(topic), ensure=False)
-        await self._publish(exchange, topic, _amqp_message(body_bytes(body), props),
-                            what=f"exchange {self.exchange_name(topic)!r}")
+        await self._send(exchange, topic, _amqp_message(payload, props),
+                         what=f"exchange {self.exchange_name(topic)!r}")
         return message_id
 
     async def subscribe(self, topic: str, group: str) -> None:
@@ -172,13 +172,11 @@ class AsyncRabbitMQBroker:
         self._check_open()
         await self._declare_group(topic, group)
 
-    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-                    timeout: float = 0.0) -> list[Message]:
+    async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                             timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries of ``group``'s queues, waiting up to
         ``timeout`` seconds for the first."""
         self._check_open()
-        if isinstance(topics, str):
-            topics = [topics]
         queues = []
         for topic in topics:
             queues.append(await self._start_consuming(topic, group))
@@ -231,8 +229,8 @@ class AsyncRabbitMQBroker:
                 RabbitMQBroker.dead_letter_queue_name(r.queue),
                 dead_letter_queue_arguments(self.queue_type))
             side = await self._side_channel()
-            await self._publish(side.default_exchange, dlq, _amqp_message(payload, props),
-                                what=f"queue {dlq!r}")
+            await self._send(side.default_exchange, dlq, _amqp_message(payload, props),
+                             what=f"queue {dlq!r}")
         except BaseException:
             await self._hand_back(r)
             raise
@@ -262,17 +260,19 @@ class AsyncRabbitMQBroker:
             if self._connection is not None:
                 await self._connection.close()
 
-    async def __aenter__(self) -> AsyncRabbitMQBroker:
-        return self
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def dead_letter_admin(self) -> RabbitMQDeadLetters:
+        """The sync admin of the groups' dead-letter queues (short-lived connections of
+        its own to the same server, the same name templates)."""
+        from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
+
+        return RabbitMQDeadLetters(self.url, exchange=self.exchange_template,
+                                   queue=self.queue_template, check=self._check_open)
 
     # -- internals --------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BrokerClosed(f"{self.name} is closed")
 
     async def _connect(self) -> None:
         async with self._connecting:
@@ -301,8 +301,8 @@ class AsyncRabbitMQBroker:
             self._side = await self._connection.channel(publisher_confirms=True)
         return self._side
 
-    async def _publish(self, exchange: Any, routing_key: str, message: Any, *,
-                       what: str) -> None:
+    async def _send(self, exchange: Any, routing_key: str, message: Any, *,
+                    what: str) -> None:
         """Publish (mandatory) and wait for the confirm; unroutable raises
         UnroutableError, any other failure BrokerError."""
         try:
@@ -408,8 +408,8 @@ class AsyncRabbitMQBroker:
                     RabbitMQBroker.retry_queue_name(r.queue, delay_ms),
                     retry_queue_arguments(r.queue, delay_ms, self.queue_type), always=True)
             side = await self._side_channel()
-            await self._publish(side.default_exchange, target,
-                                _amqp_message(payload, props), what=f"queue {target!r}")
+            await self._send(side.default_exchange, target,
+                             _amqp_message(payload, props), what=f"queue {target!r}")
         except BaseException:
             await self._hand_back(r)
             raise

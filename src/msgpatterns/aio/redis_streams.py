@@ -21,8 +21,9 @@ copy them), so the two read each other's messages, retries and dead letters, and
 
 Differences from the sync adapter: acks are sent at once (no ack batching: a crash
 loses none); a connection failure is retried by redis-py's own ``Retry`` policy, then
-raises :class:`~msgpatterns.errors.BrokerUnavailable`; the dead-letter admin
-(list/replay/purge) stays on the sync adapter.
+raises :class:`~msgpatterns.errors.BrokerUnavailable`. The dead-letter admin is the
+sync one (:meth:`AsyncRedisStreamsBroker.dead_letter_admin`), on a sync client to
+the same server.
 """
 
 from __future__ import annotations
@@ -30,31 +31,33 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import os
-import socket
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
+from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers.redis_streams import (
-    _CLAIM,
-    _PROMOTE,
-    _SETTLE,
     RedisStreamsBroker,
+    StreamsSettings,
     _b,
+    _NoGroup,
     _pack,
     _Receipt,
+    redis_error,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
-from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable
+from msgpatterns.errors import BrokerClosed, BrokerError
 from msgpatterns.message import Message
 
 redis = require("redis", "redis")
 aioredis: Any = importlib.import_module("redis.asyncio")
+
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.redis_streams import RedisStreamsDeadLetters
 
 __all__ = ["AsyncRedisStreamsBroker"]
 
@@ -62,18 +65,12 @@ log = logging.getLogger("msgpatterns.aio.redis")
 
 T = TypeVar("T")
 
-_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
-_AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 
 _entry = RedisStreamsBroker._entry  # the entry's fields: body, and headers as JSON
 _retry_stream = RedisStreamsBroker.retry_stream
 _delayed_set = RedisStreamsBroker.delayed_set
 _dead_letter_stream = RedisStreamsBroker.dead_letter_stream
 _message_id = RedisStreamsBroker.message_id
-
-
-class _NoGroup(BrokerError):
-    """Redis answered NOGROUP: the consumer group (or its stream) is gone."""
 
 
 class _Decoder:
@@ -100,11 +97,11 @@ class _Decoder:
         self.buried.append((message, record))
 
 
-class AsyncRedisStreamsBroker:
+class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     """The async Broker protocol on Redis Streams (see the module docstring).
 
     Args:
-        client_or_url: a ``redis.asyncio.Redis`` client (shared; not closed by
+        url: a ``redis://`` URL, or a ``redis.asyncio.Redis`` client (shared; not closed by
             :meth:`close`; it must not decode responses) or a ``redis://`` URL.
         consumer: this consumer's name in its groups (default: host, pid, random).
         visibility_timeout: seconds a delivery may stay unsettled before another
@@ -118,9 +115,10 @@ class AsyncRedisStreamsBroker:
             stream (a retry is at most this late).
     """
 
+    @renamed_arguments(client_or_url="url")
     def __init__(
         self,
-        client_or_url: Any,
+        url: Any,
         *,
         consumer: str | None = None,
         visibility_timeout: float = 1800.0,
@@ -130,31 +128,7 @@ class AsyncRedisStreamsBroker:
         start_id: str = "0",
         promote_interval: float = 0.05,
     ) -> None:
-        if visibility_timeout <= 0:
-            raise ValueError("visibility_timeout must be positive")
-        if isinstance(client_or_url, str):
-            self._redis = aioredis.Redis.from_url(client_or_url)
-            self._owns_client = True
-        else:
-            self._redis = client_or_url
-            self._owns_client = False
-        self.consumer = consumer or (
-            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
-        self.visibility_timeout = visibility_timeout
-        self.claim_interval = (claim_interval if claim_interval is not None
-                               else min(max(visibility_timeout / 4, 0.05), 30.0))
-        self.maxlen = maxlen
-        self.dead_letter_maxlen = dead_letter_maxlen
-        self.start_id = start_id
-        self.promote_interval = promote_interval
-        self._settle_script = self._redis.register_script(_SETTLE)
-        self._promote_script = self._redis.register_script(_PROMOTE)
-        self._claim_script = self._redis.register_script(_CLAIM)
-        self._groups: set[tuple[str, str]] = set()
-        self._claim_at: dict[tuple[str, str], float] = {}
-        self._cursors: dict[tuple[str, str], bytes] = {}
-        self._promote_at: dict[tuple[str, str], float] = {}
-        self._next_due: dict[tuple[str, str], float] = {}
+        self._configure(url, aioredis.Redis, locals())  # the options, by their names
         self._closed = False
         self._fetches = 0
         self._no_fetch = asyncio.Event()
@@ -162,14 +136,10 @@ class AsyncRedisStreamsBroker:
 
     # -- AsyncBroker protocol ---------------------------------------------------------
 
-    def now(self) -> float:
-        return time.time()
-
-    async def publish(self, topic: str, body: Any, *, key: str | None = None,
-                      headers: Mapping[str, str] | None = None) -> str:
-        """Add a message to stream ``topic``; returns its id (``"<topic>/<entry id>"``)."""
-        self._check_open()
-        fields = _entry(body_bytes(body), codec.wire_headers(headers, key=key))
+    async def _publish(self, topic: str, payload: bytes, key: str | None,
+                       headers: Mapping[str, str]) -> str:
+        """Add a message to stream ``topic``; its id is ``"<topic>/<entry id>"``."""
+        fields = _entry(payload, codec.wire_headers(headers, key=key))
         entry_id = await self._do(self._redis.xadd, topic, fields, maxlen=self.maxlen,
                                   approximate=True)
         return _message_id(topic, codec.text(entry_id))
@@ -195,14 +165,12 @@ class AsyncRedisStreamsBroker:
         self._check_open()
         await self._ensure_groups([topic], group)
 
-    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-                    timeout: float = 0.0) -> list[Message]:
+    async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                             timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries: stale ones claimed from dead consumers,
         due retries, then new entries (waiting up to ``timeout`` seconds). A fetch that
         returns after :meth:`close` began hands back what it read and raises
         :class:`~msgpatterns.errors.BrokerClosed`."""
-        if isinstance(topics, str):
-            topics = [topics]
         self._check_open()
         self._fetches += 1
         self._no_fetch.clear()
@@ -257,17 +225,30 @@ class AsyncRedisStreamsBroker:
             if self._owns_client:
                 await self._redis.aclose()
 
-    async def __aenter__(self) -> AsyncRedisStreamsBroker:
-        return self
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def dead_letter_admin(self) -> RedisStreamsDeadLetters:
+        """The sync admin of the ``<topic>:dlq`` streams, on a sync client of its own to
+        the same server (closed by the admin's ``close()``)."""
+        from msgpatterns.brokers.admin.redis_streams import RedisStreamsDeadLetters
+
+        self._check_open()
+        pool = self._redis.connection_pool
+        options = dict(pool.connection_kwargs)
+        if "path" in options:
+            kind = redis.UnixDomainSocketConnection
+        elif isinstance(pool.connection_class, type) and issubclass(
+                pool.connection_class, aioredis.SSLConnection):
+            kind = redis.SSLConnection
+        else:
+            kind = redis.Connection
+        client = redis.Redis(connection_pool=redis.ConnectionPool(connection_class=kind,
+                                                                  **options))
+        return RedisStreamsDeadLetters(client, owned=True, check=self._check_open)
 
     # -- internals --------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BrokerClosed(f"{self!r} is closed")
 
     async def _do(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """``await fn(*args, **kwargs)`` with redis-py's exceptions as the library's."""
@@ -275,19 +256,8 @@ class AsyncRedisStreamsBroker:
             return await fn(*args, **kwargs)
         except BrokerError:
             raise
-        except _AUTH_ERRORS as exc:
-            raise BrokerUnavailable(f"redis refused the credentials ({self!r}): {exc}"
-                                    ) from exc
-        except _CONNECTION_ERRORS as exc:
-            if self._closed:
-                raise BrokerClosed(f"{self!r} was closed during a redis call") from exc
-            raise BrokerUnavailable(f"redis unreachable ({self!r}): {exc}") from exc
-        except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc):
-                raise _NoGroup(str(exc)) from exc
-            raise BrokerError(f"redis refused a command ({self!r}): {exc}") from exc
         except redis.RedisError as exc:
-            raise BrokerError(f"redis call failed ({self!r}): {exc}") from exc
+            raise redis_error(exc, repr(self), self._closed) from exc
 
     async def _recovering(self, topics: Sequence[str], group: str,
                           fn: Callable[..., Awaitable[T]], *args: Any) -> T:

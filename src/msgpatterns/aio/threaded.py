@@ -11,9 +11,11 @@ sync :class:`~msgpatterns.Consumer` calls it from several threads).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from msgpatterns.aio._adapter import AsyncBrokerAdapter
+from msgpatterns.brokers.admin.base import DeadLetterAdmin
 from msgpatterns.brokers.base import Broker
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.message import Message
@@ -21,11 +23,9 @@ from msgpatterns.message import Message
 __all__ = ["ThreadedAsyncBroker"]
 
 
-class ThreadedAsyncBroker:
-    """The async face of the sync broker :attr:`sync` (every guarantee is its own).
-
-    Dead-letter admin and other extras stay on :attr:`sync`.
-    """
+class ThreadedAsyncBroker(AsyncBrokerAdapter):
+    """The async face of the sync broker :attr:`sync` (every guarantee is its own);
+    :meth:`dead_letter_admin` is the sync broker's admin."""
 
     def __init__(self, broker: Broker) -> None:
         self.sync = broker
@@ -33,10 +33,19 @@ class ThreadedAsyncBroker:
     def now(self) -> float:
         return self.sync.now()
 
-    async def publish(self, topic: str, body: Any, *, key: str | None = None,
-                      headers: Mapping[str, str] | None = None) -> str:
-        return await asyncio.to_thread(self.sync.publish, topic, body, key=key,
+    async def _publish(self, topic: str, payload: bytes, key: str | None,
+                       headers: Mapping[str, str]) -> str:
+        return await asyncio.to_thread(self.sync.publish, topic, payload, key=key,
                                        headers=headers)
+
+    @property
+    def closed(self) -> bool:
+        return bool(getattr(self.sync, "closed", False))
+
+    def dead_letter_admin(self) -> DeadLetterAdmin:
+        """The sync broker's own admin (see :attr:`sync`)."""
+        admin: DeadLetterAdmin = getattr(self.sync, "dead_letter_admin")()  # noqa: B009
+        return admin
 
     async def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
         publish_many = getattr(self.sync, "publish_many")  # noqa: B009 - not in the protocol
@@ -48,12 +57,10 @@ class ThreadedAsyncBroker:
         if subscribe is not None:
             await asyncio.to_thread(subscribe, topic, group)
 
-    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-                    timeout: float = 0.0) -> list[Message]:
-        if isinstance(topics, str):
-            topics = [topics]
-        return await asyncio.to_thread(self.sync.fetch, list(topics), group, max_messages,
-                                       timeout)
+    async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                             timeout: float) -> list[Message]:
+        return await asyncio.to_thread(self.sync.fetch, topics, group,
+                                       max_messages, timeout)
 
     async def ack(self, message: Message) -> None:
         await asyncio.to_thread(self.sync.ack, message)
@@ -66,12 +73,6 @@ class ThreadedAsyncBroker:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.sync.close)
-
-    async def __aenter__(self) -> ThreadedAsyncBroker:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.sync!r})"

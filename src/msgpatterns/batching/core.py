@@ -341,7 +341,7 @@ class BatchState(Generic[T, B]):
         route is user code: call this before taking the lock), then the steps that
         accept it. See :meth:`BatchQueue.add` for the contract."""
         if self.ack_messages and not isinstance(item, Message):
-            raise TypeError(
+            raise ConfigurationError(
                 f"{self.name}: with ack_messages=True every item must be a Message, got "
                 f"{type(item).__name__}; add the Message itself or turn ack_messages off"
             )

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from msgpatterns._extras import lazy_attributes
 from msgpatterns.brokers._batch import Outgoing, PartialPublish
+from msgpatterns.brokers.admin import DeadLetterAdmin
 from msgpatterns.brokers.base import Broker, SupportsVirtualTime
 from msgpatterns.brokers.memory import InMemoryBroker, VirtualClock
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Broker",
+    "DeadLetterAdmin",
     "InMemoryBroker",
     "KafkaBroker",
     "NatsJetStreamBroker",

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from msgpatterns.errors import BrokerError
+from msgpatterns.errors import BrokerError, ConfigurationError
 
 __all__ = ["Outgoing", "PartialPublish", "outgoing"]
 
@@ -48,10 +48,11 @@ class PartialPublish(BrokerError):
 
 
 def outgoing(items: Iterable[Any]) -> list[Outgoing]:
-    """The items as :class:`Outgoing` (a bare item is a body). ``TypeError`` for a
-    single ``str``/``bytes`` given instead of a sequence of them."""
+    """The items as :class:`Outgoing` (a bare item is a body).
+    :class:`~msgpatterns.errors.ConfigurationError` (a ``TypeError``) for a single
+    ``str``/``bytes`` given instead of a sequence of them."""
     if isinstance(items, str | bytes | bytearray | memoryview):
-        raise TypeError("publish_many takes a sequence of bodies or Outgoing items, "
+        raise ConfigurationError("publish_many takes a sequence of bodies or Outgoing items, "
                         f"not one {type(items).__name__} (use publish for one message)")
     return [item if isinstance(item, Outgoing) else Outgoing(item) for item in items]
 

@@ -41,6 +41,8 @@ __all__ = [
     "GROUP",
     "KEY",
     "MESSAGE_ID",
+    "PARKED",
+    "REMOVES",
     "TIMESTAMP",
     "TRACEBACK",
     "Transport",
@@ -52,9 +54,12 @@ __all__ = [
     "parse_headers",
     "read_dead_letter",
     "redelivery_headers",
+    "removal_marker_headers",
+    "removed_positions",
     "replay_headers",
     "split_transport",
     "text",
+    "user_headers",
     "wire_headers",
 ]
 
@@ -69,6 +74,11 @@ TIMESTAMP = h.PREFIX + "timestamp"
 GROUP = h.PREFIX + "group"
 #: The last error's traceback, on a dead letter.
 TRACEBACK = h.PREFIX + "traceback"
+#: A retry copy whose first delivery only parks it until it is due (NATS JetStream).
+PARKED = h.PREFIX + "parked"
+#: On a dead-letter-topic marker record (Kafka, which cannot delete records): the
+#: positions of the dead letters it removes, as JSON ``[[partition, offset], ...]``.
+REMOVES = h.PREFIX + "dlq-removes"
 
 _TRANSPORT = (MESSAGE_ID, KEY, TIMESTAMP, GROUP, h.RETRY_DUE_AT)
 _FAILURE_STATE = (
@@ -217,11 +227,14 @@ def redelivery_headers(
     due_at: float | None = None,
     with_id: bool = True,
     attempt: int | None = None,
+    parked: bool = False,
 ) -> dict[str, str]:
     """Wire headers for the copy that redelivers ``message``: its headers as they are
     now (the failure history), the next attempt number (or ``attempt``: a message
     handed back unprocessed keeps its own), the original topic and position, and the
-    transport headers that keep id, key and publish time."""
+    transport headers that keep id, key and publish time. ``with_id=False`` leaves the
+    id out (brokers with a native message-id field carry it there); ``parked`` marks a
+    copy whose first delivery only waits for ``due_at``."""
     out = dict(message.headers)
     out[h.ATTEMPT] = str(message.attempt + 1 if attempt is None else attempt)
     out.setdefault(h.ORIGINAL_TOPIC, message.topic)
@@ -229,6 +242,8 @@ def redelivery_headers(
         out.setdefault(h.ORIGINAL_PARTITION, str(message.partition))
     if message.offset is not None:
         out.setdefault(h.ORIGINAL_OFFSET, str(message.offset))
+    if parked:
+        out[PARKED] = "1"
     _trace(out, message)
     return wire_headers(
         out,
@@ -246,8 +261,9 @@ def dead_letter_body(record: DeadLetter) -> bytes:
     return body_bytes(record.message.raw_body)
 
 
-def dead_letter_headers(record: DeadLetter) -> dict[str, str]:
-    """The whole record as string headers (see :func:`read_dead_letter`)."""
+def dead_letter_headers(record: DeadLetter, *, with_id: bool = True) -> dict[str, str]:
+    """The whole record as string headers (see :func:`read_dead_letter`);
+    ``with_id=False`` leaves the message id out (for a native message-id field)."""
     m = record.message
     out = record.to_headers()
     out[TRACEBACK] = record.traceback[-_TRACEBACK_LIMIT:]
@@ -259,7 +275,8 @@ def dead_letter_headers(record: DeadLetter) -> dict[str, str]:
         out.setdefault(name, value)
     _trace(out, m)
     return wire_headers(
-        out, message_id=m.id, key=m.key, timestamp=m.timestamp, group=record.group or None,
+        out, message_id=m.id if with_id else None, key=m.key, timestamp=m.timestamp,
+        group=record.group or None,
     )
 
 
@@ -309,9 +326,33 @@ _RECORD_FIELDS = frozenset(
 )
 
 
-def replay_headers(record: DeadLetter, *, group: str | None = None) -> dict[str, str]:
-    """Wire headers for replaying a dead letter: the user's headers, the original id,
-    key and publish time, and no attempt count or failure history (attempts reset)."""
+def replay_headers(record: DeadLetter, *, group: str | None = None,
+                   due_at: float | None = None, with_id: bool = True) -> dict[str, str]:
+    """Wire headers for replaying a dead letter: the user's headers, the original id
+    (unless ``with_id=False``: a native message-id field carries it), key and publish
+    time, ``group`` and ``due_at`` when given, and no attempt count or failure history
+    (attempts reset)."""
     m = record.message
-    user = {k: v for k, v in m.headers.items() if k not in _FAILURE_STATE}
-    return wire_headers(user, message_id=m.id, key=m.key, timestamp=m.timestamp, group=group)
+    return wire_headers(user_headers(record), message_id=m.id if with_id else None, key=m.key,
+                        timestamp=m.timestamp, group=group, due_at=due_at)
+
+
+def user_headers(record: DeadLetter) -> dict[str, str]:
+    """The dead message's own headers: without the attempt count and failure history
+    (what a replay keeps, on brokers that carry headers as they are)."""
+    return {k: v for k, v in record.message.headers.items() if k not in _FAILURE_STATE}
+
+
+def removal_marker_headers(positions: Iterable[tuple[int, int]]) -> dict[str, str]:
+    """Headers of a marker record that removes the dead letters at ``positions``
+    (``(partition, offset)`` pairs) from later listings (see :func:`removed_positions`)."""
+    return {REMOVES: json.dumps([[int(p), int(o)] for p, o in positions])}
+
+
+def removed_positions(headers: Mapping[str, str]) -> list[tuple[str, str]] | None:
+    """The ``(partition, offset)`` positions a marker record removes, as text; None
+    when ``headers`` are not a marker's (an ordinary dead letter)."""
+    raw = headers.get(REMOVES)
+    if raw is None:
+        return None
+    return [(str(where[0]), str(where[1])) for where in json.loads(raw)]

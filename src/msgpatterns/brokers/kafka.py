@@ -47,21 +47,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from msgpatterns import headers as h
+from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
-from msgpatterns.brokers._dlq import selected
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import (
     BrokerClosed,
@@ -74,12 +74,15 @@ from msgpatterns.message import Message
 
 kafka = require("confluent_kafka", "kafka")
 
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
+
 __all__ = ["KafkaBroker", "OffsetTracker"]
 
 log = logging.getLogger("msgpatterns.brokers.kafka")
 
-#: Header of a dead-letter-topic marker record: the records it removes, as JSON.
-DLQ_REMOVES = h.PREFIX + "dlq-removes"
+#: Header of a dead-letter-topic marker record (moved to the codec; kept for imports).
+DLQ_REMOVES = codec.REMOVES
 
 #: librdkafka's own log (connection attempts, ...), forwarded at DEBUG.
 rdkafka_log = logging.getLogger("msgpatterns.brokers.kafka.librdkafka")
@@ -247,12 +250,13 @@ def _bootstrap(url: str) -> str:
     return url.split("://", 1)[1] if "://" in url else url
 
 
-class KafkaBroker:
+class KafkaBroker(BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on Kafka.
 
     Args:
-        bootstrap_or_config: ``host:port[,host:port]``, a ``kafka://`` URL, or a
-            librdkafka configuration dict (applied to consumers and the producer).
+        url: ``host:port[,host:port]``, a ``kafka://`` URL, or a librdkafka
+            configuration dict (applied to consumers and the producer). The old
+            keyword ``bootstrap_or_config=`` still works.
         consumer_config: extra settings for the group consumers (``group.id``,
             ``enable.auto.commit`` and the rebalance callbacks are set here).
         producer_config: extra settings for the producer.
@@ -265,9 +269,10 @@ class KafkaBroker:
             :class:`~msgpatterns.errors.BrokerUnavailable` after this long).
     """
 
+    @renamed_arguments(bootstrap_or_config="url")
     def __init__(
         self,
-        bootstrap_or_config: str | Mapping[str, Any],
+        url: str | Mapping[str, Any],
         *,
         consumer_config: Mapping[str, Any] | None = None,
         producer_config: Mapping[str, Any] | None = None,
@@ -277,16 +282,14 @@ class KafkaBroker:
         delivery_timeout: float = 30.0,
         connect_timeout: float = 5.0,
     ) -> None:
-        if isinstance(bootstrap_or_config, str):
-            self._base: dict[str, Any] = {
-                "bootstrap.servers": _bootstrap(bootstrap_or_config)
-            }
-        elif isinstance(bootstrap_or_config, Mapping):
-            self._base = dict(bootstrap_or_config)
+        if isinstance(url, str):
+            self._base: dict[str, Any] = {"bootstrap.servers": _bootstrap(url)}
+        elif isinstance(url, Mapping):
+            self._base = dict(url)
         else:
             raise ConfigurationError(
                 "KafkaBroker needs 'host:port', a kafka:// URL or a librdkafka config "
-                f"dict, got {bootstrap_or_config!r}")
+                f"dict, got {url!r}")
         self.delivery_timeout = seconds(delivery_timeout) or 0.0
         self.connect_timeout = seconds(connect_timeout) or 0.0
         self._base.setdefault("logger", _LibrdkafkaLog())
@@ -329,12 +332,6 @@ class KafkaBroker:
                 f"({_kafka_error(exc, 'metadata request')}); check the address and that "
                 "the cluster is up") from exc
 
-    def __enter__(self) -> KafkaBroker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- names ----------------------------------------------------------------------
 
     def retry_topic(self, topic: str) -> str:
@@ -345,24 +342,19 @@ class KafkaBroker:
 
     # -- Broker protocol ------------------------------------------------------------
 
-    def now(self) -> float:
-        return time.time()
-
-    def publish(
-        self,
-        topic: str,
-        body: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> str:
-        """Produce to ``topic`` and wait for the broker's confirmation; returns the
-        message id (kept in a header, stable across retries)."""
+    def _publish(self, topic: str, payload: bytes, key: str | None,
+                 headers: Mapping[str, str]) -> str:
+        """Produce to ``topic`` and wait for the broker's confirmation; the message id
+        is kept in a header, stable across retries."""
         with self._life.operation("publish"):
             message_id = uuid.uuid4().hex
-            self._produce(topic, body_bytes(body), key,
+            self._produce(topic, payload, key,
                           codec.wire_headers(headers, message_id=message_id))
             return message_id
+
+    @property
+    def closed(self) -> bool:
+        return self._life.closed
 
     def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
         """Produce ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
@@ -411,21 +403,14 @@ class KafkaBroker:
         with self._life.operation("subscribe"):
             self._group(group, [topic])
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` records of ``topics`` and their due retries, waiting
         up to ``timeout`` seconds. Commits what became safe to commit first.
 
         A fetch in progress when :meth:`close` begins returns at once, and nothing it
         read after that is handed out or counted (it stays uncommitted, so the group
         reads it again)."""
-        if isinstance(topics, str):
-            topics = [topics]
         with self._life.operation("fetch"):
             state = self._group(group, topics)
             self._commit(state, asynchronous=True)
@@ -568,53 +553,11 @@ class KafkaBroker:
 
     # -- dead-letter admin ----------------------------------------------------------
 
-    def list_dead_letters(self, topic: str, group: str | None = None, *,
-                          limit: int | None = None) -> list[DeadLetter]:
-        """Dead letters of ``topic`` still in ``<topic>.DLT`` (not replayed or purged),
-        oldest first per partition."""
-        with self._life.operation("list_dead_letters"):
-            out = [record for record in self._live_dead_letters(topic)
-                   if selected(record, group, None)]
-            return out if limit is None else out[:limit]
+    def dead_letter_admin(self) -> KafkaDeadLetters:
+        """The admin of the ``<topic>.DLT`` topics, on this broker's producer."""
+        from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
 
-    def replay_dead_letters(self, topic: str, group: str | None = None,
-                            ids: Collection[str] | None = None, *,
-                            to_topic: bool = False) -> int:
-        """Re-produce dead letters with attempts reset: to ``<topic>.retry`` for the
-        group that dead-lettered them, or to ``topic`` for every group. Each is marked
-        removed in the dead-letter topic only after its replay was confirmed."""
-        with self._life.operation("replay_dead_letters"):
-            return self._replay(topic, group, ids, to_topic)
-
-    def _replay(self, topic: str, group: str | None, ids: Collection[str] | None,
-                to_topic: bool) -> int:
-        count = 0
-        for record in self._live_dead_letters(topic):
-            if not selected(record, group, ids):
-                continue
-            owner = record.group or group
-            if to_topic or not owner:
-                if not to_topic:
-                    raise ValueError(f"dead letter {record.id} has no group; pass group=")
-                self._produce(topic, body_bytes(record.message.raw_body), record.message.key,
-                              codec.replay_headers(record))
-            else:
-                wire = codec.replay_headers(record, group=owner)
-                wire[h.RETRY_DUE_AT] = repr(self.now())
-                self._produce(self.retry_topic(topic), body_bytes(record.message.raw_body),
-                              record.message.key, wire)
-            self._mark_removed(topic, [record])
-            count += 1
-        return count
-
-    def purge_dead_letters(self, topic: str, group: str | None = None,
-                           ids: Collection[str] | None = None) -> int:
-        """Mark dead letters removed (Kafka cannot delete records; retention does)."""
-        with self._life.operation("purge_dead_letters"):
-            doomed = [r for r in self._live_dead_letters(topic) if selected(r, group, ids)]
-            if doomed:
-                self._mark_removed(topic, doomed)
-            return len(doomed)
+        return KafkaDeadLetters(self)
 
     # -- internals --------------------------------------------------------------------
 
@@ -900,69 +843,6 @@ class KafkaBroker:
                                             f"queue stayed full for "
                                             f"{self.delivery_timeout:g}s") from exc
                 self._producer.poll(0.05)
-
-    # -- dead-letter topic scanning ---------------------------------------------------
-
-    def _scan_dead_letters(self, topic: str) -> Iterator[tuple[Any, DeadLetter | None]]:
-        """Every record of ``<topic>.DLT`` up to its current end: (record, dead letter),
-        or (record, None) for a removal marker."""
-        dlt = self.dead_letter_topic(topic)
-        reader = self._client("Consumer", {
-            **self._base, "group.id": f"msgpatterns-dlq-reader-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False, "enable.partition.eof": False,
-        })
-        try:
-            metadata = reader.list_topics(dlt, timeout=self.connect_timeout)
-            info = metadata.topics.get(dlt)
-            if info is None or info.error is not None:
-                return
-            ends: dict[int, int] = {}
-            for partition in info.partitions:
-                low, high = reader.get_watermark_offsets(
-                    kafka.TopicPartition(dlt, partition), timeout=self.connect_timeout)
-                if high > low:
-                    ends[partition] = high
-            if not ends:
-                return
-            reader.assign([kafka.TopicPartition(dlt, p, kafka.OFFSET_BEGINNING) for p in ends])
-            remaining = dict(ends)
-            give_up = time.monotonic() + self.delivery_timeout
-            while remaining and time.monotonic() < give_up:
-                for record in reader.consume(num_messages=500, timeout=0.5):
-                    if record.error() is not None:
-                        continue
-                    partition, offset = record.partition(), record.offset()
-                    if offset + 1 >= remaining.get(partition, 0):
-                        remaining.pop(partition, None)
-                    headers = {k: codec.text(v) for k, v in record.headers() or []}
-                    if DLQ_REMOVES in headers:
-                        yield record, None
-                        continue
-                    yield record, codec.read_dead_letter(
-                        record.value() or b"", headers,
-                        fallback_id=f"{dlt}-{partition}-{offset}", fallback_topic=topic,
-                        location={"dlt_partition": str(partition), "dlt_offset": str(offset)},
-                    )
-        finally:
-            reader.close()
-
-    def _live_dead_letters(self, topic: str) -> list[DeadLetter]:
-        records: list[DeadLetter] = []
-        removed: set[tuple[str, str]] = set()
-        for record, letter in self._scan_dead_letters(topic):
-            if letter is None:
-                for where in json.loads(codec.text(dict(record.headers())[DLQ_REMOVES])):
-                    removed.add((str(where[0]), str(where[1])))
-            else:
-                records.append(letter)
-        return [r for r in records
-                if (r.extra["dlt_partition"], r.extra["dlt_offset"]) not in removed]
-
-    def _mark_removed(self, topic: str, records: Sequence[DeadLetter]) -> None:
-        """Append a marker record that hides ``records`` from later listings."""
-        where = [[int(r.extra["dlt_partition"]), int(r.extra["dlt_offset"])] for r in records]
-        self._produce(self.dead_letter_topic(topic), b"", None,
-                      {DLQ_REMOVES: json.dumps(where)})
 
     @staticmethod
     def _receipt(message: Message) -> _Receipt:

@@ -21,12 +21,16 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.deadletter import DeadLetter
-from msgpatterns.errors import MAX_DURATION, BrokerClosed, ConfigurationError, seconds
+from msgpatterns.errors import MAX_DURATION, ConfigurationError, seconds
 from msgpatterns.message import Message
+
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.memory import InMemoryDeadLetters
 
 __all__ = ["BrokerEvent", "BrokerStats", "InMemoryBroker", "VirtualClock"]
 
@@ -137,7 +141,7 @@ class _Lane:
     entries: int = 0
 
 
-class InMemoryBroker:
+class InMemoryBroker(BrokerAdapter):
     """An in-process broker with real at-least-once semantics and fault injection.
 
     Args:
@@ -168,9 +172,9 @@ class InMemoryBroker:
     ) -> None:
         for name, rate in (("duplicate_rate", duplicate_rate), ("lost_ack_rate", lost_ack_rate)):
             if not 0.0 <= rate < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {rate}")
+                raise ConfigurationError(f"{name} must be in [0, 1), got {rate}")
         if reorder_window < 0:
-            raise ValueError("reorder_window cannot be negative")
+            raise ConfigurationError("reorder_window cannot be negative")
         if not _duration(visibility_timeout, "visibility_timeout"):
             raise ConfigurationError("visibility_timeout must be positive")
         self.duplicate_rate = duplicate_rate
@@ -195,15 +199,8 @@ class InMemoryBroker:
 
     # -- publishing -----------------------------------------------------------------
 
-    def publish(
-        self,
-        topic: str,
-        body: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        id: str | None = None,
-    ) -> str:
+    def publish(self, topic: str, body: Any, *, key: str | None = None,
+                headers: Mapping[str, str] | None = None, id: str | None = None) -> str:
         """Publish a message to every group of ``topic``; returns its id.
 
         Raises ConfigurationError for an empty or non-string topic, BrokerClosed after
@@ -213,6 +210,10 @@ class InMemoryBroker:
         with self._cond:
             self._check_open()
             return self._append(topic, body, key, headers, id)
+
+    def _publish(self, topic: str, payload: bytes, key: str | None,
+                 headers: Mapping[str, str]) -> str:
+        return self.publish(topic, payload, key=key, headers=headers)
 
     def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
         """Publish ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
@@ -260,13 +261,8 @@ class InMemoryBroker:
     def now(self) -> float:
         return self.clock.now()
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries for ``group``, waiting up to ``timeout``.
 
         A fetch waiting when :meth:`close` is called returns at once with nothing; a
@@ -433,10 +429,14 @@ class InMemoryBroker:
         """True once :meth:`close` was called."""
         return self._closed
 
-    def _check_open(self) -> None:
-        """Lock held: raise BrokerClosed after close()."""
-        if self._closed:
-            raise BrokerClosed("the InMemoryBroker is closed")
+    def dead_letter_admin(self) -> InMemoryDeadLetters:
+        """List, replay and purge :attr:`dead_letters` by topic and group."""
+        from msgpatterns.brokers.admin.memory import InMemoryDeadLetters
+
+        return InMemoryDeadLetters(self)
+
+    def __repr__(self) -> str:
+        return "InMemoryBroker()"
 
     # -- internals --------------------------------------------------------------------
 

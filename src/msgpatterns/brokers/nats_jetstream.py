@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import logging
@@ -41,15 +40,14 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Collection, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from msgpatterns import headers as h
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
-from msgpatterns.brokers._dlq import selected
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, ConfigurationError
 from msgpatterns.message import Message
@@ -58,14 +56,16 @@ nats = require("nats", "nats")
 from nats.js import api as js_api  # noqa: E402 - after the extra check
 from nats.js import errors as js_errors  # noqa: E402
 
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.nats_jetstream import NatsJetStreamDeadLetters
+
 __all__ = ["NatsJetStreamBroker"]
 
 log = logging.getLogger("msgpatterns.brokers.nats")
 
 T = TypeVar("T")
 
-#: Header marking a retry copy whose first delivery only parks it until it is due.
-_PARKED = h.PREFIX + "parked"
+_PARKED = codec.PARKED
 _SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]")
 _DROP = ("Nats-Msg-Id", "Nats-Expected-Stream", "Nats-Expected-Last-Sequence")
@@ -97,7 +97,7 @@ def _safe_name(text: str) -> str:
     return cleaned
 
 
-class NatsJetStreamBroker:
+class NatsJetStreamBroker(BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on NATS JetStream.
 
     Args:
@@ -162,16 +162,17 @@ class NatsJetStreamBroker:
 
     # -- Broker protocol ----------------------------------------------------------------
 
-    def now(self) -> float:
-        return time.time()
-
-    def publish(self, topic: str, body: Any, *, key: str | None = None,
-                headers: Mapping[str, str] | None = None) -> str:
-        """Publish to ``topic`` (confirmed by the server); returns the message id."""
+    def _publish(self, topic: str, payload: bytes, key: str | None,
+                     headers: Mapping[str, str]) -> str:
+        """Publish to ``topic`` (confirmed by the server)."""
         message_id = uuid.uuid4().hex
         wire = codec.wire_headers(headers, message_id=message_id, key=key)
-        self._run(self._publish(topic, topic, body_bytes(body), wire, message_id))
+        self._run(self._send(topic, topic, payload, wire, message_id))
         return message_id
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
         """Publish ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
@@ -200,12 +201,10 @@ class NatsJetStreamBroker:
         """Create ``group``'s consumers on ``topic`` now (a fetch does it otherwise)."""
         self._run(self._subscriptions(topic, group))
 
-    def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
-              timeout: float = 0.0) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries: due retries first, then new messages
         (waiting up to ``timeout`` seconds)."""
-        if isinstance(topics, str):
-            topics = [topics]
         return self._run(self._fetch(list(topics), group, max_messages, timeout),
                          timeout + 30)
 
@@ -223,7 +222,7 @@ class NatsJetStreamBroker:
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to ``T.__dlq`` (confirmed), then ack the delivery."""
         r = self._receipt(message)
-        self._run(self._publish(
+        self._run(self._send(
             r.topic, self.dead_letter_subject(r.topic), codec.dead_letter_body(record),
             codec.dead_letter_headers(record), None,
         ))
@@ -244,48 +243,13 @@ class NatsJetStreamBroker:
         finally:
             self._stop_loop()
 
-    def __enter__(self) -> NatsJetStreamBroker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # -- dead-letter admin ----------------------------------------------------------------
 
-    def list_dead_letters(self, topic: str, group: str | None = None, *,
-                          limit: int | None = None) -> list[DeadLetter]:
-        """Dead letters of ``topic`` (of ``group``, or all groups), oldest first."""
-        out = [r for r in self._run(self._dead_letters(topic)) if selected(r, group, None)]
-        return out if limit is None else out[:limit]
+    def dead_letter_admin(self) -> NatsJetStreamDeadLetters:
+        """The admin of the ``<topic>.__dlq`` subjects, on this broker's connection."""
+        from msgpatterns.brokers.admin.nats_jetstream import NatsJetStreamDeadLetters
 
-    def replay_dead_letters(self, topic: str, group: str | None = None,
-                            ids: Collection[str] | None = None, *,
-                            to_topic: bool = False) -> int:
-        """Send dead letters back with attempts reset; each is deleted from the stream
-        only after its copy was confirmed."""
-        count = 0
-        for record in self._run(self._dead_letters(topic)):
-            if not selected(record, group, ids):
-                continue
-            owner = record.group or group
-            if not to_topic and not owner:
-                raise ConfigurationError(f"dead letter {record.id} has no group; pass group=")
-            subject = topic if to_topic else self.retry_subject(topic, owner or "")
-            wire = codec.replay_headers(record, group=None if to_topic else owner)
-            self._run(self._publish(topic, subject, body_bytes(record.message.raw_body),
-                                    wire, None))
-            self._run(self._delete(topic, int(record.extra["dlq_seq"])))
-            count += 1
-        return count
-
-    def purge_dead_letters(self, topic: str, group: str | None = None,
-                           ids: Collection[str] | None = None) -> int:
-        """Delete dead letters; returns how many."""
-        doomed = [int(r.extra["dlq_seq"]) for r in self._run(self._dead_letters(topic))
-                  if selected(r, group, ids)]
-        for seq in doomed:
-            self._run(self._delete(topic, seq))
-        return len(doomed)
+        return NatsJetStreamDeadLetters(self)
 
     # -- the I/O thread -------------------------------------------------------------------
 
@@ -493,14 +457,13 @@ class NatsJetStreamBroker:
     def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
         r = self._receipt(message)
         due = time.time() + delay if delay > 0 else None
-        wire = codec.redelivery_headers(message, group=r.group, due_at=due, attempt=attempt)
-        if due is not None:
-            wire[_PARKED] = "1"
-        self._run(self._publish(r.topic, self.retry_subject(r.topic, r.group),
+        wire = codec.redelivery_headers(message, group=r.group, due_at=due, attempt=attempt,
+                                        parked=due is not None)
+        self._run(self._send(r.topic, self.retry_subject(r.topic, r.group),
                                 body_bytes(message.raw_body), wire, None))
         self._submit(r.msg.ack())
 
-    async def _publish(self, topic: str, subject: str, payload: bytes,
+    async def _send(self, topic: str, subject: str, payload: bytes,
                        headers: Mapping[str, str], dedup_id: str | None) -> None:
         stream = await self._stream(topic)
         wire = dict(headers)
@@ -528,45 +491,10 @@ class NatsJetStreamBroker:
         or None once the stream stored it."""
         await self._stream(topic)
         outcomes = await asyncio.gather(
-            *(self._publish(topic, topic, payload, wire, message_id)
+            *(self._send(topic, topic, payload, wire, message_id)
               for message_id, payload, wire in batch),
             return_exceptions=True)
         return [o if isinstance(o, BaseException) else None for o in outcomes]
-
-    async def _dead_letters(self, topic: str) -> list[DeadLetter]:
-        stream = await self._existing(topic)
-        if stream is None:  # an admin read never creates a stream
-            return []
-        sub = await self._js.pull_subscribe(
-            self.dead_letter_subject(topic), stream=stream,
-            config=js_api.ConsumerConfig(
-                ack_policy=js_api.AckPolicy.NONE, deliver_policy=js_api.DeliverPolicy.ALL,
-                inactive_threshold=30.0,
-            ),
-        )
-        records: list[DeadLetter] = []
-        try:
-            while True:
-                try:
-                    msgs = await sub.fetch(256, timeout=0.2)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    break
-                for msg in msgs:
-                    seq = msg.metadata.sequence.stream
-                    records.append(codec.read_dead_letter(
-                        msg.data, msg.headers or {}, fallback_id=f"{stream}:{seq}",
-                        fallback_topic=topic, location={"dlq_seq": str(seq)},
-                    ))
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-            with contextlib.suppress(nats.errors.Error):
-                await self._js.delete_consumer(stream, sub._consumer)
-        return records
-
-    async def _delete(self, topic: str, seq: int) -> None:
-        await self._js.delete_msg(self.stream_name(topic), seq)
 
     def _where(self) -> str:
         return ",".join(self.servers)

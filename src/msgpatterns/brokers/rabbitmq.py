@@ -61,19 +61,19 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from msgpatterns import headers as h
+from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
-from msgpatterns.brokers._dlq import selected
 from msgpatterns.brokers._reconnect import (
     RECONNECT_BACKOFF,
     reconnect_backoff,
@@ -94,6 +94,9 @@ from msgpatterns.errors import (
 from msgpatterns.message import Message
 
 pika = require("pika", "rabbitmq")
+
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
 
 __all__ = ["MAX_DELAY_MS", "RabbitMQBroker", "delay_bucket_ms"]
 
@@ -231,8 +234,7 @@ def redelivery_wire(message: Message, group: str, attempt: int | None = None
 
 def dead_letter_wire(record: DeadLetter) -> tuple[bytes, Any]:
     """Payload and properties of the dead letter holding ``record``."""
-    wire = codec.dead_letter_headers(record)
-    wire.pop(codec.MESSAGE_ID, None)
+    wire = codec.dead_letter_headers(record, with_id=False)
     return (codec.dead_letter_body(record),
             RabbitMQBroker._properties(record.message.id, wire))
 
@@ -255,6 +257,55 @@ def publish_confirmed(side: Any, exchange: str, routing_key: str, payload: bytes
                 f"subscribed to it yet); nothing was sent"
             ) from exc
         raise
+
+
+def url_parameters(url: Any, connect_timeout: float | None = None) -> Any:
+    """pika connection parameters for an ``amqp://`` URL (``pika.ConnectionParameters``
+    pass through); with ``connect_timeout``, a URL without timeouts gets it as its
+    socket and stack timeouts (pika's defaults are 10 s and 15 s)."""
+    if not isinstance(url, str):
+        if not isinstance(url, pika.connection.Parameters):
+            raise ConfigurationError(
+                f"expected an amqp:// URL or pika.ConnectionParameters, got {url!r}")
+        return url
+    try:
+        params = pika.URLParameters(url)
+    except Exception as exc:
+        raise ConfigurationError(f"not a usable AMQP URL: {describe(exc)}") from exc
+    if connect_timeout is not None:
+        query = url.partition("?")[2]
+        if "socket_timeout" not in query:
+            params.socket_timeout = connect_timeout
+        if "stack_timeout" not in query:
+            params.stack_timeout = connect_timeout
+    return params
+
+
+@contextmanager
+def pika_errors(name: str, where: str, what: str,
+                closed: Callable[[], bool] = lambda: False) -> Iterator[None]:
+    """Translate pika's and the socket's exceptions into the library's own (the
+    original is the cause); the library's own errors pass unchanged. ``name`` says
+    who failed, ``where`` the server (never the credentials), ``closed`` whether a
+    lost connection is the owner's own close."""
+    try:
+        yield
+    except (BrokerError, ConfigurationError):
+        raise
+    except pika.exceptions.UnroutableError as exc:
+        raise UnroutableError(f"{name}: {what}: RabbitMQ returned the message "
+                              "(no queue bound); nothing was sent") from exc
+    except pika.exceptions.NackError as exc:
+        raise BrokerError(f"{name}: {what}: RabbitMQ refused the message "
+                          "(publisher nack)") from exc
+    except (pika.exceptions.AMQPConnectionError, ConnectionError) as exc:
+        if closed():
+            raise BrokerClosed(f"{name} is closed") from exc
+        raise BrokerUnavailable(f"{name}: {what}: connection to {where} "
+                                f"failed: {describe(exc) or type(exc).__name__}") from exc
+    except pika.exceptions.AMQPError as exc:
+        raise BrokerError(f"{name}: {what} failed: "
+                          f"{describe(exc) or type(exc).__name__}") from exc
 
 
 class _Confirms:
@@ -301,11 +352,12 @@ class _Receipt:
     group: str
 
 
-class RabbitMQBroker:
+class RabbitMQBroker(BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on RabbitMQ.
 
     Args:
-        url_or_parameters: an ``amqp://`` URL or ``pika.ConnectionParameters``. (The
+        url: an ``amqp://`` URL or ``pika.ConnectionParameters`` (the old keyword
+            ``url_or_parameters=`` still works). (The
             broker owns its connection: pika connections cannot be shared between
             threads, and a lost one must be replaced.)
         prefetch: most unacked deliveries held at once (``basic_qos``); use the
@@ -322,9 +374,10 @@ class RabbitMQBroker:
         close_timeout: seconds :meth:`close` waits for the I/O thread to flush.
     """
 
+    @renamed_arguments(url_or_parameters="url")
     def __init__(
         self,
-        url_or_parameters: Any,
+        url: Any,
         *,
         prefetch: int = 100,
         exchange: str = "{topic}",
@@ -341,7 +394,7 @@ class RabbitMQBroker:
         if connect_timeout <= 0:
             raise ConfigurationError("connect_timeout must be positive")
         self._close_timeout = seconds(close_timeout) or 0.0
-        params = self._parameters(url_or_parameters, connect_timeout)
+        params = url_parameters(url, connect_timeout)
         self.name = name or f"msgpatterns-{uuid.uuid4().hex[:8]}"
         props = dict(params.client_properties or {})
         props.setdefault("connection_name", self.name)
@@ -385,34 +438,10 @@ class RabbitMQBroker:
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-io", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _parameters(url_or_parameters: Any, connect_timeout: float) -> Any:
-        """pika connection parameters; a URL without timeouts gets ``connect_timeout``
-        as its socket and stack timeouts (pika's defaults are 10 s and 15 s)."""
-        if not isinstance(url_or_parameters, str):
-            return url_or_parameters
-        try:
-            params = pika.URLParameters(url_or_parameters)
-        except Exception as exc:
-            raise ConfigurationError(f"not a usable AMQP URL: {describe(exc)}") from exc
-        query = url_or_parameters.partition("?")[2]
-        if "socket_timeout" not in query:
-            params.socket_timeout = connect_timeout
-        if "stack_timeout" not in query:
-            params.stack_timeout = connect_timeout
-        return params
-
     def _where(self) -> str:
         """Host, port and vhost (never the credentials), for error messages."""
         p = self._params
         return f"{p.host}:{p.port} (vhost {p.virtual_host!r})"
-
-    def __enter__(self) -> RabbitMQBroker:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
 
     # -- names ----------------------------------------------------------------------
 
@@ -432,25 +461,14 @@ class RabbitMQBroker:
 
     # -- Broker protocol ------------------------------------------------------------
 
-    def now(self) -> float:
-        return time.time()
-
-    def publish(
-        self,
-        topic: str,
-        body: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> str:
-        """Publish to the topic's exchange and wait for the broker's confirm; returns
-        the message id. Raises :class:`~msgpatterns.errors.UnroutableError` at once when
-        nothing would keep the message (no group has subscribed to the topic yet: no
-        exchange, or no queue bound); the connection and every delivery in flight are
-        unaffected, and nothing is declared."""
-        self._check_open()
+    def _publish(self, topic: str, payload: bytes, key: str | None,
+                 headers: Mapping[str, str]) -> str:
+        """Publish to the topic's exchange and wait for the broker's confirm. Raises
+        :class:`~msgpatterns.errors.UnroutableError` at once when nothing would keep the
+        message (no group has subscribed to the topic yet: no exchange, or no queue
+        bound); the connection and every delivery in flight are unaffected, and nothing
+        is declared."""
         message_id = uuid.uuid4().hex
-        payload = body_bytes(body)
         props = self._properties(message_id, codec.wire_headers(headers, key=key))
         exchange = self.exchange_name(topic)
 
@@ -502,18 +520,11 @@ class RabbitMQBroker:
         with self._errors("subscribe"):
             self._call(lambda _: self._declare_group(topic, group))
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries of ``group``'s queues, waiting up to
         ``timeout`` seconds for the first (returns early, empty, if closed meanwhile)."""
         self._check_open()
-        if isinstance(topics, str):
-            topics = [topics]
         queues = [self.queue_name(t, group) for t in topics]
         for topic, queue in zip(topics, queues, strict=True):
             if queue not in self._routes:
@@ -598,57 +609,13 @@ class RabbitMQBroker:
 
     # -- dead-letter admin ----------------------------------------------------------
 
-    def list_dead_letters(self, topic: str, group: str | None = None, *,
-                          limit: int | None = None) -> list[DeadLetter]:
-        """Dead letters of ``group`` (required: each group has its own queue)."""
-        self._check_open()
-        out: list[DeadLetter] = []
-        with self._errors("list_dead_letters"), \
-                self._dead_letter_scan(topic, self._require_group(group)) as scan:
-            for _, record in scan:
-                out.append(record)
-                if limit is not None and len(out) >= limit:
-                    break
-        return out
+    def dead_letter_admin(self) -> RabbitMQDeadLetters:
+        """The admin of the groups' dead-letter queues (its own short-lived
+        connections to this broker's server; refused once this broker is closed)."""
+        from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
 
-    def replay_dead_letters(self, topic: str, group: str | None = None,
-                            ids: Collection[str] | None = None, *,
-                            to_topic: bool = False) -> int:
-        """Publish dead letters back (to the group's queue, or the topic's exchange)
-        with attempts reset; each is acked off the dead-letter queue only after its
-        publish was confirmed."""
-        self._check_open()
-        group = self._require_group(group)
-        count = 0
-        with self._errors("replay_dead_letters"), self._dead_letter_scan(topic, group) as scan:
-            for (channel, tag), record in scan:
-                if not selected(record, None, ids):
-                    continue
-                wire = codec.replay_headers(record)
-                wire.pop(codec.MESSAGE_ID, None)
-                props = self._properties(record.id, wire)
-                payload = body_bytes(record.message.raw_body)
-                if to_topic:
-                    channel.basic_publish(self.exchange_name(topic), topic, payload, props,
-                                          mandatory=True)
-                else:
-                    channel.basic_publish("", self.queue_name(topic, group), payload, props,
-                                          mandatory=True)
-                channel.basic_ack(tag)
-                count += 1
-        return count
-
-    def purge_dead_letters(self, topic: str, group: str | None = None,
-                           ids: Collection[str] | None = None) -> int:
-        self._check_open()
-        group = self._require_group(group)
-        count = 0
-        with self._errors("purge_dead_letters"), self._dead_letter_scan(topic, group) as scan:
-            for (channel, tag), record in scan:
-                if selected(record, None, ids):
-                    channel.basic_ack(tag)
-                    count += 1
-        return count
+        return RabbitMQDeadLetters(self._params, exchange=self.exchange_template,
+                                   queue=self.queue_template, check=self._check_open)
 
     # -- errors and state -----------------------------------------------------------
 
@@ -659,28 +626,13 @@ class RabbitMQBroker:
         if self._closed.is_set():
             raise BrokerClosed(f"{self.name} is closed")
 
-    @contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
-        """Translate pika's and the socket's exceptions into the library's own (the
-        original is the cause); the library's own errors pass unchanged."""
-        try:
-            yield
-        except (BrokerError, ConfigurationError):
-            raise
-        except pika.exceptions.UnroutableError as exc:
-            raise UnroutableError(f"{self.name}: {what}: RabbitMQ returned the message "
-                                  "(no queue bound); nothing was sent") from exc
-        except pika.exceptions.NackError as exc:
-            raise BrokerError(f"{self.name}: {what}: RabbitMQ refused the message "
-                              "(publisher nack)") from exc
-        except (pika.exceptions.AMQPConnectionError, ConnectionError) as exc:
-            if self._closed.is_set():
-                raise BrokerClosed(f"{self.name} is closed") from exc
-            raise BrokerUnavailable(f"{self.name}: {what}: connection to {self._where()} "
-                                    f"failed: {describe(exc) or type(exc).__name__}") from exc
-        except pika.exceptions.AMQPError as exc:
-            raise BrokerError(f"{self.name}: {what} failed: "
-                              f"{describe(exc) or type(exc).__name__}") from exc
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _errors(self, what: str) -> AbstractContextManager[None]:
+        """pika's exceptions as the library's own (see :func:`pika_errors`)."""
+        return pika_errors(self.name, self._where(), what, self._closed.is_set)
 
     def _auth_failure(self, exc: BaseException) -> BrokerUnavailable:
         user = getattr(getattr(self._params, "credentials", None), "username", "?")
@@ -1150,49 +1102,6 @@ class RabbitMQBroker:
             delivery_mode=2,
             timestamp=int(time.time()),
         )
-
-    # -- admin helpers (own short-lived connection, caller's thread) --------------------
-
-    @staticmethod
-    def _require_group(group: str | None) -> str:
-        if not group:
-            raise ConfigurationError(
-                "RabbitMQ keeps dead letters per group queue: pass a group")
-        return group
-
-    @contextmanager
-    def _dead_letter_scan(
-        self, topic: str, group: str,
-    ) -> Iterator[Iterator[tuple[tuple[Any, int], DeadLetter]]]:
-        """Every message of the group's dead-letter queue, fetched unacked; whatever is
-        not acked is returned to the queue when the scan ends."""
-        conn = pika.BlockingConnection(self._params)
-        try:
-            channel = conn.channel()
-            channel.confirm_delivery()
-            dlq = self.dead_letter_queue_name(self.queue_name(topic, group))
-            try:
-                depth = channel.queue_declare(dlq, passive=True).method.message_count
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code != 404:
-                    raise
-                depth = 0  # no dead letter yet: the queue does not exist
-
-            def scan() -> Iterator[tuple[tuple[Any, int], DeadLetter]]:
-                for _ in range(depth):
-                    method, props, body = channel.basic_get(dlq, auto_ack=False)
-                    if method is None:
-                        return
-                    record = codec.read_dead_letter(
-                        body, props.headers or {}, fallback_id=props.message_id or "",
-                        fallback_topic=topic,
-                        location={"dlq": dlq, "delivery_tag": str(method.delivery_tag)},
-                    )
-                    yield (channel, method.delivery_tag), record
-
-            yield scan()
-        finally:
-            conn.close()
 
     @staticmethod
     def _receipt(message: Message) -> _Receipt:

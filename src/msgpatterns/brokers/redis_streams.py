@@ -69,20 +69,30 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
-from msgpatterns.brokers._dlq import selected
 from msgpatterns.brokers._reconnect import reconnect_backoff, reconnecting
 from msgpatterns.deadletter import DeadLetter, body_bytes
-from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, MalformedMessage
+from msgpatterns.errors import (
+    BrokerClosed,
+    BrokerError,
+    BrokerUnavailable,
+    ConfigurationError,
+    MalformedMessage,
+)
 from msgpatterns.message import Message
 
 redis = require("redis", "redis")
+
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.redis_streams import RedisStreamsDeadLetters
 
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 _AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
@@ -181,6 +191,33 @@ class _NoGroup(BrokerError):
     """Redis answered NOGROUP: the consumer group (or its stream) is gone."""
 
 
+def redis_error(exc: BaseException, where: str, closed: bool = False) -> BrokerError:
+    """The library's error for redis-py's ``exc`` (which becomes its cause): refused
+    credentials and unreachable servers are :class:`BrokerUnavailable` (a call cut by
+    ``close()`` is :class:`BrokerClosed`), NOGROUP is the adapter's lost-group signal,
+    anything else a :class:`BrokerError`."""
+    if isinstance(exc, _AUTH_ERRORS):
+        return BrokerUnavailable(f"redis refused the credentials ({where}): {exc}")
+    if isinstance(exc, _CONNECTION_ERRORS):
+        if closed:
+            return BrokerClosed(f"{where} was closed during a redis call")
+        return BrokerUnavailable(f"redis unreachable ({where}): {exc}")
+    if isinstance(exc, redis.ResponseError):
+        if "NOGROUP" in str(exc):  # also inside a script's error text
+            return _NoGroup(str(exc))
+        return BrokerError(f"redis refused a command ({where}): {exc}")
+    return BrokerError(f"redis call failed ({where}): {exc}")
+
+
+def client_from(url: Any, factory: Any) -> tuple[Any, bool]:
+    """The client for ``url`` (a URL: a new one from ``factory.from_url``, which the
+    caller owns and closes; else ``url`` is a client already, shared) and whether the
+    caller owns it."""
+    if isinstance(url, str):
+        return factory.from_url(url), True
+    return url, False
+
+
 def _pairs(raw: Any) -> list[tuple[Any, Any]]:
     """An entry's raw fields (a dict from XREADGROUP, a flat list from a script)."""
     if isinstance(raw, dict):
@@ -217,7 +254,45 @@ class _Read:
     client_id: int | None = None
 
 
-class RedisStreamsBroker:
+class StreamsSettings:
+    """The settings and per-group bookkeeping every Redis Streams adapter (sync and
+    async) starts with: one place for their meaning and defaults."""
+
+    consumer: str
+    visibility_timeout: float
+    claim_interval: float
+    maxlen: int | None
+    dead_letter_maxlen: int | None
+    start_id: str
+    promote_interval: float
+
+    def _configure(self, url: Any, factory: Any, options: Mapping[str, Any]) -> None:
+        """Apply the constructor's ``url`` (see :func:`client_from`) and options."""
+        visibility_timeout = options["visibility_timeout"]
+        if visibility_timeout <= 0:
+            raise ConfigurationError("visibility_timeout must be positive")
+        self._redis, self._owns_client = client_from(url, factory)
+        self.consumer = options["consumer"] or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.visibility_timeout = visibility_timeout
+        claim_interval = options["claim_interval"]
+        self.claim_interval = (claim_interval if claim_interval is not None
+                               else min(max(visibility_timeout / 4, 0.05), 30.0))
+        self.maxlen = options["maxlen"]
+        self.dead_letter_maxlen = options["dead_letter_maxlen"]
+        self.start_id = options["start_id"]
+        self.promote_interval = options["promote_interval"]
+        self._settle_script = self._redis.register_script(_SETTLE)
+        self._promote_script = self._redis.register_script(_PROMOTE)
+        self._claim_script = self._redis.register_script(_CLAIM)
+        self._groups: set[tuple[str, str]] = set()
+        self._claim_at: dict[tuple[str, str], float] = {}
+        self._cursors: dict[tuple[str, str], bytes] = {}
+        self._promote_at: dict[tuple[str, str], float] = {}
+        self._next_due: dict[tuple[str, str], float] = {}
+
+
+class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on Redis Streams.
 
     Recovery time after a consumer dies: its deliveries become claimable
@@ -230,8 +305,8 @@ class RedisStreamsBroker:
     minutes after the crash, 5 s of which is the backlog itself.
 
     Args:
-        client_or_url: a ``redis.Redis`` client (shared; not closed by :meth:`close`)
-            or a ``redis://`` URL.
+        url: a ``redis://`` URL, or a ``redis.Redis`` client (shared; not closed by
+            :meth:`close`). The old keyword ``client_or_url=`` still works.
         consumer: this consumer's name in its groups (default: host, pid and a random
             suffix, so a restarted process is a new consumer).
         visibility_timeout: seconds a delivery may stay unsettled before another
@@ -248,9 +323,10 @@ class RedisStreamsBroker:
             stream (seconds; a retry is at most this late).
     """
 
+    @renamed_arguments(client_or_url="url")
     def __init__(
         self,
-        client_or_url: Any,
+        url: Any,
         *,
         consumer: str | None = None,
         visibility_timeout: float = 1800.0,
@@ -262,41 +338,14 @@ class RedisStreamsBroker:
         ack_batch: int = 256,
         promote_interval: float = 0.05,
     ) -> None:
-        if visibility_timeout <= 0:
-            raise ValueError("visibility_timeout must be positive")
-        if isinstance(client_or_url, str):
-            self._redis = redis.Redis.from_url(client_or_url)
-            self._owns_client = True
-        else:
-            self._redis = client_or_url
-            self._owns_client = False
-        self.consumer = consumer or (
-            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        )
-        self.visibility_timeout = visibility_timeout
-        self.claim_interval = (
-            claim_interval if claim_interval is not None
-            else min(max(visibility_timeout / 4, 0.05), 30.0)
-        )
-        self.maxlen = maxlen
-        self.dead_letter_maxlen = dead_letter_maxlen
-        self.start_id = start_id
-        self._settle_script = self._redis.register_script(_SETTLE)
-        self._promote_script = self._redis.register_script(_PROMOTE)
-        self._claim_script = self._redis.register_script(_CLAIM)
+        self._configure(url, redis.Redis, locals())  # the options, by their names
         self._lock = threading.Lock()
-        self._groups: set[tuple[str, str]] = set()
-        self._claim_at: dict[tuple[str, str], float] = {}
-        self._cursors: dict[tuple[str, str], bytes] = {}
         self._overflow: list[Message] = []
         self._closed = threading.Event()
         self._retrying = reconnecting(
             _CONNECTION_ERRORS, logger=log, what="redis call", attempts=5,
             backoff=reconnect_backoff(2.0), until=self._closed,
         )
-        self.promote_interval = promote_interval
-        self._promote_at: dict[tuple[str, str], float] = {}
-        self._next_due: dict[tuple[str, str], float] = {}
         self.ack_flush_interval = ack_flush_interval
         self.ack_batch = max(1, ack_batch)
         self._acks: list[_Receipt] = []
@@ -326,21 +375,10 @@ class RedisStreamsBroker:
 
     # -- Broker protocol ------------------------------------------------------------
 
-    def now(self) -> float:
-        return time.time()
-
-    def publish(
-        self,
-        topic: str,
-        body: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> str:
-        """Add a message to stream ``topic``; returns its id (``"<topic>/<entry id>"``,
-        the ``message.id`` every consumer sees)."""
-        self._check_open()
-        fields = self._entry(body_bytes(body), codec.wire_headers(headers, key=key))
+    def _publish(self, topic: str, payload: bytes, key: str | None,
+                 headers: Mapping[str, str]) -> str:
+        """Add a message to stream ``topic``; its id is ``"<topic>/<entry id>"``."""
+        fields = self._entry(payload, codec.wire_headers(headers, key=key))
         entry_id = self._call(
             self._redis.xadd, topic, fields, maxlen=self.maxlen, approximate=True
         )
@@ -381,20 +419,13 @@ class RedisStreamsBroker:
         self._check_open()
         self._ensure_groups([topic], group)
 
-    def fetch(
-        self,
-        topics: Sequence[str],
-        group: str,
-        max_messages: int = 1,
-        timeout: float = 0.0,
-    ) -> list[Message]:
+    def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
+                       timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries: stale ones claimed from dead consumers,
         due retries, then new entries (waiting up to ``timeout`` seconds).
 
         A :meth:`close` from another thread wakes a waiting fetch: it hands back what
         it read and raises :class:`~msgpatterns.errors.BrokerClosed`."""
-        if isinstance(topics, str):
-            topics = [topics]
         read = _Read()
         with self._lock:
             self._check_open()
@@ -562,15 +593,9 @@ class RedisStreamsBroker:
             if self._owns_client:
                 self._redis.close()
 
-    def __enter__(self) -> RedisStreamsBroker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed.is_set():
-            raise BrokerClosed(f"{self!r} is closed")
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     def _wake_fetches(self, patience: float = 10.0) -> None:
         """Unblock fetches waiting in XREADGROUP (CLIENT UNBLOCK, so the reply is never
@@ -601,51 +626,11 @@ class RedisStreamsBroker:
 
     # -- dead-letter admin ----------------------------------------------------------
 
-    def list_dead_letters(self, topic: str, group: str | None = None, *,
-                          limit: int | None = None) -> list[DeadLetter]:
-        """Dead letters of ``topic`` (of ``group``, or all groups), oldest first."""
-        out: list[DeadLetter] = []
-        for record in self._scan_dead_letters(topic):
-            if selected(record, group, None):
-                out.append(record)
-                if limit is not None and len(out) >= limit:
-                    break
-        return out
+    def dead_letter_admin(self) -> RedisStreamsDeadLetters:
+        """The admin of ``<topic>:dlq`` streams, on this broker's client and retries."""
+        from msgpatterns.brokers.admin.redis_streams import RedisStreamsDeadLetters
 
-    def replay_dead_letters(self, topic: str, group: str | None = None,
-                            ids: Collection[str] | None = None, *,
-                            to_topic: bool = False) -> int:
-        """Send dead letters back with attempts reset; each is removed from the
-        dead-letter stream in the same transaction that re-adds it."""
-        count = 0
-        dlq = self.dead_letter_stream(topic)
-        for record in self._scan_dead_letters(topic):
-            if not selected(record, group, ids):
-                continue
-            owner = record.group or group
-            if not to_topic and not owner:
-                raise ValueError(f"dead letter {record.id} has no group; pass group=")
-            target = topic if to_topic else self.retry_stream(topic, owner or "")
-            fields = self._entry(
-                body_bytes(record.message.raw_body),
-                codec.replay_headers(record, group=None if to_topic else owner),
-            )
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.xadd(target, fields)
-            pipe.xdel(dlq, record.extra["dlq_entry"])
-            self._call(pipe.execute)
-            count += 1
-        return count
-
-    def purge_dead_letters(self, topic: str, group: str | None = None,
-                           ids: Collection[str] | None = None) -> int:
-        """Delete dead letters; returns how many."""
-        doomed = [r.extra["dlq_entry"] for r in self._scan_dead_letters(topic)
-                  if selected(r, group, ids)]
-        for start in range(0, len(doomed), 500):
-            self._call(self._redis.xdel, self.dead_letter_stream(topic),
-                       *doomed[start:start + 500])
-        return len(doomed)
+        return RedisStreamsDeadLetters(self._redis, call=self._call)
 
     # -- internals --------------------------------------------------------------------
 
@@ -667,16 +652,8 @@ class RedisStreamsBroker:
                 return self._retrying(self._attempt, fn, args, kwargs, retrying=True)
         except BrokerError:
             raise
-        except _CONNECTION_ERRORS as exc:
-            if self._closed.is_set():
-                raise BrokerClosed(f"{self!r} was closed during a redis call") from exc
-            raise BrokerUnavailable(f"redis unreachable ({self!r}): {exc}") from exc
-        except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc):  # also inside a script's error text
-                raise _NoGroup(str(exc)) from exc
-            raise BrokerError(f"redis refused a command ({self!r}): {exc}") from exc
         except redis.RedisError as exc:
-            raise BrokerError(f"redis call failed ({self!r}): {exc}") from exc
+            raise redis_error(exc, repr(self), self._closed.is_set()) from exc
 
     def _attempt(self, fn: Any, args: Any, kwargs: Any, retrying: bool = False) -> Any:
         if retrying and self._closed.is_set():  # a closed broker never reconnects
@@ -684,8 +661,7 @@ class RedisStreamsBroker:
         try:
             return fn(*args, **kwargs)
         except _AUTH_ERRORS as exc:  # never retried as if transient
-            raise BrokerUnavailable(f"redis refused the credentials ({self!r}): {exc}"
-                                    ) from exc
+            raise redis_error(exc, repr(self)) from exc
 
     def _recovering(self, topics: Sequence[str], group: str, fn: Any, *args: Any,
                     **kwargs: Any) -> Any:
@@ -955,21 +931,6 @@ class RedisStreamsBroker:
                   delay_ms, "" if maxlen is None else maxlen, *values],
         )
         return bool(result)
-
-    def _scan_dead_letters(self, topic: str) -> list[DeadLetter]:
-        out: list[DeadLetter] = []
-        for entry_id, raw in self._call(self._redis.xrange, self.dead_letter_stream(topic)):
-            eid = codec.text(entry_id)
-            try:
-                fields = _fields(raw)
-            except _Malformed as exc:
-                log.warning("dead-letter entry %s of %s skipped: %s", eid, topic, exc)
-                continue
-            out.append(codec.read_dead_letter(
-                _b(fields.get("body", b"")), codec.loads_headers(fields.get("headers")),
-                fallback_id=eid, fallback_topic=topic, location={"dlq_entry": eid},
-            ))
-        return out
 
     @staticmethod
     def _receipt(message: Message) -> _Receipt:

@@ -17,13 +17,12 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from msgpatterns.brokers._dlq import DeadLetterAdmin
+from msgpatterns.brokers.admin import DeadLetterAdmin
 from msgpatterns.cli._options import (
     CONNECT_TIMEOUT,
     Subcommands,
@@ -40,19 +39,58 @@ __all__ = ["open_admin", "register"]
 _kafka_log = logging.getLogger("msgpatterns.cli.kafka")
 
 
-@dataclass
 class Opened:
-    """A dead-letter admin opened by the command, with what only the command needs."""
+    """A dead-letter admin opened by the command: the broker's admin, whose
+    :meth:`close` also releases the broker the command opened for it."""
 
-    admin: DeadLetterAdmin
-    #: True when the broker knows ``topic`` (for ``group``) or its dead-letter store:
-    #: False means a mistyped name rather than an empty dead-letter store.
-    knows: Callable[[str, str | None], bool]
-    close: Callable[[], None]
+    def __init__(self, admin: DeadLetterAdmin, close: Callable[[], None]) -> None:
+        self.admin = admin
+        self._close = close
+
+    def list_dead_letters(self, topic: str, group: str | None = None, *,
+                          limit: int | None = None) -> list[DeadLetter]:
+        return self.admin.list_dead_letters(topic, group, limit=limit)
+
+    def replay_dead_letters(self, topic: str, group: str | None = None,
+                            ids: Collection[str] | None = None, *,
+                            to_topic: bool = False) -> int:
+        return self.admin.replay_dead_letters(topic, group, ids, to_topic=to_topic)
+
+    def purge_dead_letters(self, topic: str, group: str | None = None,
+                           ids: Collection[str] | None = None) -> int:
+        return self.admin.purge_dead_letters(topic, group, ids)
+
+    def knows(self, topic: str, group: str | None = None) -> bool:
+        return self.admin.knows(topic, group)
+
+    def close(self) -> None:
+        try:
+            self.admin.close()
+        finally:
+            self._close()
+
+    def __enter__(self) -> Opened:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _query(url: str) -> Mapping[str, list[str]]:
     return parse_qs(urlsplit(url).query)
+
+
+def _opened(broker: Any, *also: Callable[[], None]) -> Opened:
+    """``broker``'s admin; closing it closes the broker, then ``also``."""
+
+    def close() -> None:
+        try:
+            broker.close()
+        finally:
+            for release in also:
+                release()
+
+    return Opened(broker.dead_letter_admin(), close)
 
 
 def _redis(url: str) -> Opened:
@@ -64,38 +102,32 @@ def _redis(url: str) -> Opened:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+    from msgpatterns.brokers.redis_streams import RedisStreamsBroker, redis_error
 
     client = redis.Redis.from_url(
         url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
         retry=Retry(NoBackoff(), 0),
     )
     try:
-        client.ping()
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise redis_error(exc, redact_url(url)) from exc
         broker = RedisStreamsBroker(client)
     except BaseException:
         client.close()
         raise
-
-    def knows(topic: str, group: str | None) -> bool:
-        return bool(client.exists(topic, broker.dead_letter_stream(topic)))
-
-    def close() -> None:
-        try:
-            broker.close()
-        finally:
-            client.close()
-
-    return Opened(broker, knows, close)
+    return _opened(broker, client.close)
 
 
 def _rabbitmq(url: str) -> Opened:
     """RabbitMQ, with CONNECT_TIMEOUT for the socket, the handshake and a blocked
     connection, one attempt per connect (the URL's own ``connection_attempts=...``
-    etc. win), and CONNECT_TIMEOUT for the adapter's connect."""
+    etc. win). The admin needs no adapter (no I/O thread): it works on short-lived
+    connections of its own."""
     import pika
 
-    from msgpatterns.brokers.rabbitmq import RabbitMQBroker
+    from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
 
     params = pika.URLParameters(url)
     given = _query(url)
@@ -104,32 +136,12 @@ def _rabbitmq(url: str) -> Opened:
                           ("blocked_connection_timeout", CONNECT_TIMEOUT)):
         if option not in given:
             setattr(params, option, value)
-    broker = RabbitMQBroker(params, connect_timeout=CONNECT_TIMEOUT)
-
-    def knows(topic: str, group: str | None) -> bool:
-        queue = broker.queue_name(topic, group or "")
-        conn = pika.BlockingConnection(params)
-        try:
-            for name in (queue, broker.dead_letter_queue_name(queue)):
-                channel = conn.channel()
-                try:
-                    channel.queue_declare(name, passive=True)
-                    return True
-                except pika.exceptions.ChannelClosedByBroker as exc:
-                    if exc.reply_code != 404:
-                        raise
-            return False
-        finally:
-            conn.close()
-
-    return Opened(broker, knows, broker.close)
+    return Opened(RabbitMQDeadLetters(params), lambda: None)
 
 
 def _kafka(url: str) -> Opened:
     """Kafka, with CONNECT_TIMEOUT for connections, requests and delivery reports, and
     librdkafka's log routed to logging (silent unless --debug)."""
-    from confluent_kafka.admin import AdminClient
-
     from msgpatterns.brokers.kafka import KafkaBroker
 
     timeout_ms = int(CONNECT_TIMEOUT * 1000)
@@ -139,22 +151,14 @@ def _kafka(url: str) -> Opened:
         "socket.timeout.ms": timeout_ms,
         "logger": _kafka_log,
     }
-    broker = KafkaBroker(config, delivery_timeout=CONNECT_TIMEOUT)
-
-    def knows(topic: str, group: str | None) -> bool:
-        # every topic's metadata: asking for one topic could auto-create it
-        names = AdminClient(config).list_topics(timeout=CONNECT_TIMEOUT).topics
-        return topic in names or broker.dead_letter_topic(topic) in names
-
-    return Opened(broker, knows, broker.close)
+    return _opened(KafkaBroker(config, delivery_timeout=CONNECT_TIMEOUT))
 
 
 def _nats(url: str) -> Opened:
     """NATS JetStream, giving up on an unreachable server after CONNECT_TIMEOUT."""
     from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
 
-    broker = NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT)
-    return Opened(broker, lambda topic, group: broker.has_topic(topic), broker.close)
+    return _opened(NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT))
 
 
 _SCHEMES: dict[str, Callable[[str], Opened]] = {
@@ -181,9 +185,9 @@ def _open(url: str) -> Opened:
 
 
 def open_admin(url: str) -> DeadLetterAdmin:
-    """The broker adapter for ``url``'s scheme, as a dead-letter admin (with the
-    command's connect timeouts)."""
-    return _open(url).admin
+    """The dead-letter admin for ``url``'s scheme (with the command's connect
+    timeouts); its ``close()`` releases everything it opened."""
+    return _open(url)
 
 
 def register(subparsers: Subcommands) -> None:
@@ -232,11 +236,8 @@ def _run(args: argparse.Namespace, action: Callable[[Opened], int]) -> int:
     if _scheme(args.url).startswith("amqp") and not args.group:
         raise ConfigurationError("--group is required for amqp:// URLs "
                                  "(RabbitMQ keeps dead letters per consumer group)")
-    opened = _open(args.url)
-    try:
+    with _open(args.url) as opened:
         return action(opened)
-    finally:
-        opened.close()
 
 
 def _warn_if_unknown(opened: Opened, args: argparse.Namespace) -> None:
@@ -290,7 +291,7 @@ def _details(record: DeadLetter) -> str:
 
 def _list(args: argparse.Namespace) -> int:
     def action(opened: Opened) -> int:
-        records = opened.admin.list_dead_letters(args.topic, args.group, limit=args.limit)
+        records = opened.list_dead_letters(args.topic, args.group, limit=args.limit)
         for record in records:
             print(record.to_json() if args.json else _summary(record))
         if not args.json:
@@ -305,7 +306,7 @@ def _list(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     def action(opened: Opened) -> int:
         wanted = set(args.ids)
-        found = [r for r in opened.admin.list_dead_letters(args.topic, args.group)
+        found = [r for r in opened.list_dead_letters(args.topic, args.group)
                  if r.id in wanted]
         for record in found:
             print(record.to_json() if args.json else _details(record) + "\n")
@@ -333,7 +334,7 @@ def _replay(args: argparse.Namespace) -> int:
     ids = _selection(args)
 
     def action(opened: Opened) -> int:
-        count = opened.admin.replay_dead_letters(args.topic, args.group, ids,
+        count = opened.replay_dead_letters(args.topic, args.group, ids,
                                                  to_topic=args.to_topic)
         print(f"replayed {count} dead letter(s)")
         if not count:
@@ -347,7 +348,7 @@ def _purge(args: argparse.Namespace) -> int:
     ids = _selection(args)
 
     def action(opened: Opened) -> int:
-        count = opened.admin.purge_dead_letters(args.topic, args.group, ids)
+        count = opened.purge_dead_letters(args.topic, args.group, ids)
         print(f"purged {count} dead letter(s)")
         if not count:
             _warn_if_unknown(opened, args)

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency.base import ClaimRequest, LeaseChecker
@@ -131,7 +132,8 @@ class RedisChecker(LeaseChecker):
     """Idempotency on Redis, shared by every process that uses the same server.
 
     Args:
-        client_or_url: a ``redis.Redis`` (or fakeredis) client, or a URL. A checker
+        url: a Redis URL, or a ``redis.Redis`` (or fakeredis) client (the old keyword
+            ``client_or_url=`` still works). A checker
             built from a URL owns its client (``close()`` closes it), connects with
             short timeouts and leaves retries to this checker's ``policy``.
         namespace: first part of every key (``namespace:group:key``).
@@ -149,9 +151,10 @@ class RedisChecker(LeaseChecker):
     message is processed again. Use TransactionalSqlChecker for exactly-once effects.
     """
 
+    @renamed_arguments(client_or_url="url")
     def __init__(
         self,
-        client_or_url: redis.Redis | str,
+        url: redis.Redis | str,
         namespace: str = "msgpatterns",
         ttl: float | timedelta = 86400,
         lease: float | timedelta = 30,
@@ -167,25 +170,25 @@ class RedisChecker(LeaseChecker):
         self.transient = (exc.ConnectionError, exc.TimeoutError, exc.BusyLoadingError,
                           exc.ReadOnlyError, exc.TryAgainError, OSError)
         self._no_script = exc.NoScriptError
-        if isinstance(client_or_url, str):
+        if isinstance(url, str):
             from redis.backoff import NoBackoff
             from redis.retry import Retry
 
-            self.url: str | None = client_or_url
+            self.url: str | None = url
             try:
                 self.client: redis.Redis = redis_module.Redis.from_url(
-                    client_or_url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
+                    url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
                     socket_timeout=5.0,
                 )
             except ValueError as error:
                 raise ConfigurationError(
-                    f"cannot use Redis URL {redact_url(client_or_url)!r}: "
-                    f"{hide_password_in(str(error), client_or_url)}"
+                    f"cannot use Redis URL {redact_url(url)!r}: "
+                    f"{hide_password_in(str(error), url)}"
                 ) from None
             self._owns_client = True
         else:
             self.url = None
-            self.client = client_or_url
+            self.client = url
             self._owns_client = False
         #: A Redis Cluster client: batches go out as pipelines of single-key calls.
         self._cluster = hasattr(self.client, "get_nodes")

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError, seconds
 from msgpatterns.idempotency.base import ClaimRequest, Closable, LeaseChecker
@@ -139,7 +140,8 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
     TTL: run :meth:`purge` (or ``msgpatterns dedup purge``) now and then.
 
     Args:
-        engine_or_url: an SQLAlchemy ``Engine`` or URL.
+        url: an SQLAlchemy URL or ``Engine`` (the old keyword ``engine_or_url=`` still
+            works).
         table: the dedup table's name.
         ttl: seconds a DONE key is remembered.
         lease: seconds a claim holds a key; a crashed owner's key is free after it.
@@ -157,9 +159,10 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
     :class:`TransactionalSqlChecker` to commit both together (exactly once).
     """
 
+    @renamed_arguments(engine_or_url="url")
     def __init__(
         self,
-        engine_or_url: Engine | str,
+        url: Engine | str,
         table: str = "msgpatterns_dedup",
         ttl: float | timedelta = 86400,
         lease: float | timedelta = 30,
@@ -169,7 +172,7 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         clock: Callable[[], float] = time.time,
         write_behind: float | timedelta | None = None,
     ) -> None:
-        self.store = SqlStore(engine_or_url, table, clock, autocommit=True)
+        self.store = SqlStore(url, table, clock, autocommit=True)
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
         super().__init__(namespace=namespace, ttl=ttl, lease=lease,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from msgpatterns._callables import renamed_arguments
 from msgpatterns.errors import (
     ConfigurationError,
     MsgPatternsError,
@@ -95,7 +96,8 @@ class TransactionalSqlChecker(SqlMaintenance):
     database (HTTP calls, other stores) are not covered.
 
     Args:
-        engine_or_url: an SQLAlchemy ``Engine`` or URL; the handler's tables live here.
+        url: an SQLAlchemy URL or ``Engine``; the handler's tables live here (the old
+            keyword ``engine_or_url=`` still works).
         table: the dedup table (same layout as :class:`SqlChecker`'s; both may share it).
         ttl: seconds a DONE key is remembered (then purgeable).
         namespace: first part of every key (``namespace:group:key``).
@@ -107,9 +109,10 @@ class TransactionalSqlChecker(SqlMaintenance):
     transaction. ``complete`` and ``release`` are the commit and rollback of ``tx``.
     """
 
+    @renamed_arguments(engine_or_url="url")
     def __init__(
         self,
-        engine_or_url: Engine | str,
+        url: Engine | str,
         table: str = "msgpatterns_dedup",
         ttl: float | timedelta = 86400,
         *,
@@ -119,7 +122,7 @@ class TransactionalSqlChecker(SqlMaintenance):
     ) -> None:
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
-        self.store = SqlStore(engine_or_url, table, clock, autocommit=False)
+        self.store = SqlStore(url, table, clock, autocommit=False)
         self.engine = self.store.engine
         self.ttl = seconds(ttl) or 0.0
         if self.ttl <= 0:

@@ -154,8 +154,7 @@ class _RabbitRoute:
 
         dlq = RabbitMQBroker.dead_letter_queue_name(self.queue)
         await self._declare(dlq, {})  # classic, durable: as the adapter declares it
-        wire = codec.dead_letter_headers(record)
-        wire.pop(codec.MESSAGE_ID, None)  # the AMQP message_id carries it
+        wire = codec.dead_letter_headers(record, with_id=False)  # AMQP message_id has it
         await self.broker.publish(codec.dead_letter_body(record), queue=dlq, headers=wire,
                                   message_id=record.message.id, persist=True)
 

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
+from msgpatterns.errors import ClosedError
 from msgpatterns.ordering.partitions import Key, lane_ranges, logic_partition
 
 __all__ = ["OrderedExecutor"]
@@ -135,7 +136,7 @@ class OrderedExecutor:
         partition = logic_partition(key, self._partitions)
         with self._lock:
             if self._closing:
-                raise RuntimeError("cannot submit to an OrderedExecutor after shutdown")
+                raise ClosedError("cannot submit to an OrderedExecutor after shutdown")
             self._submitted += 1
             held = self._held.get(partition)
             if held is not None:
@@ -154,7 +155,7 @@ class OrderedExecutor:
         lane_ranges(lanes, self._partitions)
         with self._lock:
             if self._closing:
-                raise RuntimeError("cannot resize an OrderedExecutor after shutdown")
+                raise ClosedError("cannot resize an OrderedExecutor after shutdown")
             if lanes != len(self._lanes):
                 self._reroute(lanes)
 
@@ -173,6 +174,11 @@ class OrderedExecutor:
             for thread in threads:
                 if thread is not current:
                     thread.join()
+
+    def close(self) -> None:
+        """``shutdown(wait=True)`` (the lifecycle verb every part has): every task
+        already submitted runs, then the lanes exit; idempotent."""
+        self.shutdown(wait=True)
 
     def __enter__(self) -> OrderedExecutor:
         return self

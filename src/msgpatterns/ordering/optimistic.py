@@ -161,7 +161,8 @@ def optimistic_update(
 
         return decorate
     if load is None or merge is None or save is None:
-        raise TypeError("optimistic_update needs all of load, merge and save (or none)")
+        raise ConfigurationError(
+            "optimistic_update needs all of load, merge and save (or none)")
     for what, fn in (("load", load), ("merge", merge), ("save", save)):
         require_sync_callable(fn, what=what, where="optimistic_update")
     retrying = _retrying(attempts, retry_later, schedule, _first_lost)

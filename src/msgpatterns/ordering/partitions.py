@@ -28,7 +28,8 @@ def key_bytes(key: Key) -> bytes:
         return bytes(key)
     if isinstance(key, int) and not isinstance(key, bool):
         return str(key).encode("ascii")
-    raise TypeError(f"an ordering key must be str, bytes or int, got {type(key).__name__}")
+    raise ConfigurationError(
+        f"an ordering key must be str, bytes or int, got {type(key).__name__}")
 
 
 def logic_partition(key: Key, partitions: int) -> int:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.errors import ConfigurationError
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
 from msgpatterns.settlement import (
@@ -63,10 +64,11 @@ def carry_out(broker: Settles, message: Message, decision: Decision) -> None:
     elif isinstance(decision, DeadLetterIt):
         broker.dead_letter(message, decision.record)
     elif isinstance(decision, RetryNow):
-        raise ValueError("RetryNow is an in-process retry: run the handler again after "
-                         f"{decision.delay:g}s (run_handler does) instead of settling")
+        raise ConfigurationError(
+            "RetryNow is an in-process retry: run the handler again after "
+            f"{decision.delay:g}s (run_handler does) instead of settling")
     else:
-        raise TypeError(f"not a settlement decision: {decision!r}")
+        raise ConfigurationError(f"not a settlement decision: {decision!r}")
 
 
 class RawLoop:

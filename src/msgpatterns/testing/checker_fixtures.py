@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
+from msgpatterns.errors import ConfigurationError
 from msgpatterns.testing import services
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ def store_params(*stores: str) -> list[Any]:
     """
     unknown = set(stores) - set(STORES)
     if unknown:
-        raise ValueError(f"unknown store(s) {sorted(unknown)}; expected some of {STORES}")
+        raise ConfigurationError(
+            f"unknown store(s) {sorted(unknown)}; expected some of {STORES}")
     return [pytest.param(store, marks=_MARKS[store]) if store in _MARKS else store
             for store in stores]
 
@@ -130,7 +132,7 @@ def checker_for(
     elif store in ("postgres", "mysql"):
         url = services.require(store)
     else:
-        raise ValueError(f"unknown store {store!r}; expected one of {STORES}")
+        raise ConfigurationError(f"unknown store {store!r}; expected one of {STORES}")
     from msgpatterns.idempotency import SqlChecker, TransactionalSqlChecker
 
     if transactional:
