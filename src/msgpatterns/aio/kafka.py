@@ -1,7 +1,9 @@
-"""AsyncKafkaBroker: the :class:`~msgpatterns.aio.base.AsyncBroker` protocol on Kafka.
+"""The asyncio Kafka adapters: :class:`ThreadedAsyncKafkaBroker` (here) and
+:class:`~msgpatterns.aio.kafka_native.AIOKafkaBroker` (aiokafka); ``AsyncKafkaBroker``
+is the default of the two (see docs/asyncio.md for the measurement behind it).
 
-It is the sync :class:`~msgpatterns.brokers.KafkaBroker` (confluent-kafka) run in
-worker threads - the mechanism of confluent-kafka's own asyncio API
+:class:`ThreadedAsyncKafkaBroker` is the sync :class:`~msgpatterns.brokers.KafkaBroker`
+(confluent-kafka) run in worker threads - the mechanism of confluent-kafka's own asyncio API
 (``confluent_kafka.aio``, which runs the sync client in an executor) - so the topics
 (``T``, ``T.retry``, ``T.DLT``), the wire format, the offset tracking (never commit
 past an unsettled record), the due-time pausing of retry partitions, rebalance handling
@@ -21,11 +23,11 @@ from typing import Any
 from msgpatterns.aio.threaded import ThreadedAsyncBroker
 from msgpatterns.brokers.kafka import KafkaBroker
 
-__all__ = ["AsyncKafkaBroker"]
+__all__ = ["AsyncKafkaBroker", "ThreadedAsyncKafkaBroker"]
 
 
-class AsyncKafkaBroker(ThreadedAsyncBroker):
-    """``AsyncKafkaBroker(bootstrap_or_config, **options)``: the options of
+class ThreadedAsyncKafkaBroker(ThreadedAsyncBroker):
+    """``ThreadedAsyncKafkaBroker(bootstrap_or_config, **options)``: the options of
     :class:`~msgpatterns.brokers.KafkaBroker`; :attr:`sync` is that broker (its
     dead-letter admin, ``commit``, ...)."""
 
@@ -33,3 +35,7 @@ class AsyncKafkaBroker(ThreadedAsyncBroker):
 
     def __init__(self, bootstrap_or_config: str | Mapping[str, Any], **options: Any) -> None:
         super().__init__(KafkaBroker(bootstrap_or_config, **options))
+
+
+#: The default asyncio Kafka adapter.
+AsyncKafkaBroker = ThreadedAsyncKafkaBroker
