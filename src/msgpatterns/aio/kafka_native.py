@@ -161,6 +161,7 @@ class AIOKafkaBroker:
         self._producer: Any = None
         self._starting = asyncio.Lock()
         self._groups: dict[str, GroupState] = {}
+        self._commits: dict[str, asyncio.Task[None]] = {}  # group -> commit in flight
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -289,7 +290,8 @@ class AIOKafkaBroker:
     async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
                     timeout: float = 0.0) -> list[Message]:
         """Up to ``max_messages`` records of ``topics`` and their due retries, waiting
-        up to ``timeout`` seconds. Commits what became safe to commit first.
+        up to ``timeout`` seconds. First starts committing (in the background, one commit
+        in flight per group) what became safe to commit.
 
         A fetch in progress when :meth:`close` begins returns at once, and nothing it
         read after that is handed out or counted (it stays uncommitted)."""
@@ -297,7 +299,7 @@ class AIOKafkaBroker:
             topics = [topics]
         async with self._operation("fetch"):
             state = await self._group(group, tuple(topics))
-            await self._commit(state)
+            self._commit_behind(group, state)
             give_up = time.monotonic() + timeout
             while True:
                 now = self.now()
@@ -354,6 +356,9 @@ class AIOKafkaBroker:
         async with self._operation("commit"):
             out: dict[tuple[str, str, int], int] = {}
             for group, state in list(self._groups.items()):
+                running = self._commits.pop(group, None)
+                if running is not None:
+                    await asyncio.wait([running])
                 await self._commit(state, strict=True)
                 for (topic, partition), tracker in state.trackers.items():
                     if tracker.committed is not None:
@@ -378,7 +383,10 @@ class AIOKafkaBroker:
                 log.warning("AIOKafkaBroker.close: operations still running after %gs",
                             self.delivery_timeout)
             failures: list[BaseException] = []
-            for state in list(self._groups.values()):
+            for group, state in list(self._groups.items()):
+                running = self._commits.pop(group, None)
+                if running is not None:
+                    await asyncio.wait([running])  # its outcome is logged, not raised
                 try:
                     await self._commit(state, strict=True)
                 except BaseException as exc:
@@ -507,6 +515,14 @@ class AIOKafkaBroker:
                 log.warning("commit on revoke failed (%r); those records will be "
                             "redelivered", exc)
 
+    def _commit_behind(self, group: str, state: GroupState) -> None:
+        """Commit the moved prefixes in the background (one commit in flight per group,
+        like the sync adapter's asynchronous commit): a fetch does not wait for it."""
+        running = self._commits.get(group)
+        if running is None or running.done():
+            self._commits[group] = asyncio.get_running_loop().create_task(
+                self._commit(state))
+
     async def _commit(self, state: GroupState, *, strict: bool = False) -> None:
         """Commit the settled prefixes that moved; a failure is logged and retried on
         the next fetch, or raised when ``strict``."""
@@ -516,10 +532,12 @@ class AIOKafkaBroker:
         try:
             await state.consumer.commit(
                 {aiokafka.TopicPartition(*where): o for where, o in moved.items()})
-        except errors.KafkaError as exc:
+        except Exception as exc:  # in the background too: never an unretrieved error
             state.forget_commits(moved)
             if strict:
-                raise _error(exc, "offset commit") from exc
+                if isinstance(exc, errors.KafkaError):
+                    raise _error(exc, "offset commit") from exc
+                raise
             log.warning("offset commit failed (%r); retrying on the next fetch", exc)
 
     def _tracker(self, r: KafkaReceipt) -> OffsetTracker | None:
