@@ -12,7 +12,11 @@ Topology, for a topic ``T`` and a consumer group ``G`` (names are templates):
 Guarantees:
 
 * Manual acks, at most ``prefetch`` unacked deliveries per broker object (set it to the
-  Consumer's ``max_in_flight``).
+  Consumer's ``max_in_flight``). Acks are batched: after each run of queued
+  settlements, the contiguous settled prefix of the channel's delivery tags goes as one
+  ``basic_ack(multiple=True)`` (one quorum-queue command, not one per message);
+  settled tags above an unsettled one are acked singly. A tag not yet settled is never
+  covered.
 * Two channels on one connection: deliveries and their acks on the *consume* channel;
   publishes (with publisher confirms) and declarations on a *side* channel. A publish
   or declaration the server refuses closes at most the side channel, which is reopened
