@@ -18,8 +18,8 @@ from msgpatterns.aio.consumer import AsyncConsumer, AsyncHandler
 from msgpatterns.aio.memory import AsyncInMemoryBroker
 
 if TYPE_CHECKING:
-    from msgpatterns.aio.kafka import AsyncKafkaBroker, ThreadedAsyncKafkaBroker
-    from msgpatterns.aio.kafka_native import AIOKafkaBroker
+    from msgpatterns.aio.kafka import ThreadedAsyncKafkaBroker
+    from msgpatterns.aio.kafka_native import AIOKafkaBroker, AsyncKafkaBroker
     from msgpatterns.aio.rabbitmq import AsyncRabbitMQBroker
     from msgpatterns.aio.redis_streams import AsyncRedisStreamsBroker
     from msgpatterns.aio.threaded import ThreadedAsyncBroker
@@ -45,7 +45,7 @@ __all__ = [
 _LAZY = {
     "AsyncRedisStreamsBroker": "msgpatterns.aio.redis_streams",
     "AsyncRabbitMQBroker": "msgpatterns.aio.rabbitmq",
-    "AsyncKafkaBroker": "msgpatterns.aio.kafka",
+    "AsyncKafkaBroker": "msgpatterns.aio.kafka_native",
     "ThreadedAsyncKafkaBroker": "msgpatterns.aio.kafka",
     "AIOKafkaBroker": "msgpatterns.aio.kafka_native",
     "ThreadedAsyncBroker": "msgpatterns.aio.threaded",

@@ -69,7 +69,7 @@ from msgpatterns.message import Message
 aiokafka = require("aiokafka", "kafka")
 errors = require("aiokafka.errors", "kafka")
 
-__all__ = ["AIOKafkaBroker"]
+__all__ = ["AIOKafkaBroker", "AsyncKafkaBroker"]
 
 log = logging.getLogger("msgpatterns.aio.kafka")
 
@@ -574,3 +574,7 @@ class AIOKafkaBroker:
 
     def __repr__(self) -> str:
         return f"AIOKafkaBroker({self.bootstrap_servers!r})"
+
+
+#: The default asyncio Kafka adapter (``msgpatterns.aio.AsyncKafkaBroker``).
+AsyncKafkaBroker = AIOKafkaBroker
