@@ -29,6 +29,20 @@ __all__ = ["brokers", "names", "rabbitmq_url"]  # fixtures, re-exported for pyte
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(60)]
 
 
+def delivered(url: str, made: list[Any], names: tuple[str, str], n: int,
+              **options: Any) -> tuple[Any, str, list[Message]]:
+    """A broker of ``names``' group, ``n`` messages published to the topic and fetched
+    (in delivery-tag order): (broker, its queue, the deliveries)."""
+    topic, group = names
+    broker = make(url, made, **options)
+    broker.subscribe(topic, group)
+    for i in range(n):
+        broker.publish(topic, f"m{i}".encode())
+    got = drain(broker, topic, group, count=n, batch=n)
+    assert [m.raw_body for m in got] == [f"m{i}".encode() for i in range(n)]
+    return broker, broker.queue_name(topic, group), got
+
+
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
 def test_out_of_order_settlement_never_acks_past_a_held_delivery(
     rabbitmq_url: str, names: tuple[str, str], brokers: list[Any], queue_type: str
@@ -38,13 +52,8 @@ def test_out_of_order_settlement_never_acks_past_a_held_delivery(
     early, nothing settled was left unacked); when the consumer dies they, and only
     they, come back."""
     topic, group = names
-    broker = make(rabbitmq_url, brokers, prefetch=20, queue_type=queue_type)
-    broker.subscribe(topic, group)
-    queue = broker.queue_name(topic, group)
-    for i in range(8):
-        broker.publish(topic, f"m{i}".encode())
-    got = drain(broker, topic, group, count=8, batch=8)
-    assert [m.raw_body for m in got] == [f"m{i}".encode() for i in range(8)]
+    broker, queue, got = delivered(rabbitmq_url, brokers, names, 8, prefetch=20,
+                                   queue_type=queue_type)
     held = [got[2], got[5]]
     for m in reversed(got):
         if m not in held:
@@ -70,12 +79,7 @@ def test_a_nack_and_a_hand_back_between_acks_stay_exact(
     both; the retry and the handed-back delivery come back once each; the one held
     delivery stays unacknowledged until close() returns it."""
     topic, group = names
-    broker = make(rabbitmq_url, brokers, prefetch=20)
-    broker.subscribe(topic, group)
-    queue = broker.queue_name(topic, group)
-    for i in range(6):
-        broker.publish(topic, f"m{i}".encode())
-    got = drain(broker, topic, group, count=6, batch=6)
+    broker, queue, got = delivered(rabbitmq_url, brokers, names, 6, prefetch=20)
     broker.ack(got[0])
     broker.nack(got[1], 0.0)
     broker.ack(got[2])
@@ -101,12 +105,7 @@ def test_close_racing_acks_sends_every_ack_that_was_accepted(
     on the server after close (batched or not), every one that raised BrokerClosed is
     not; the counts add up exactly."""
     topic, group = names
-    broker = make(rabbitmq_url, brokers, prefetch=50)
-    broker.subscribe(topic, group)
-    queue = broker.queue_name(topic, group)
-    for i in range(40):
-        broker.publish(topic, f"m{i}".encode())
-    got = drain(broker, topic, group, count=40, batch=40)
+    broker, queue, got = delivered(rabbitmq_url, brokers, names, 40, prefetch=50)
     accepted: list[Message] = []
     refused: list[Message] = []
     lock = threading.Lock()

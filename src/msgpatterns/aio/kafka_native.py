@@ -126,7 +126,7 @@ class AIOKafkaBroker:
     """The :class:`~msgpatterns.aio.base.AsyncBroker` protocol on Kafka (aiokafka).
 
     Args:
-        bootstrap_servers: ``host:port[,host:port]`` or a ``kafka://`` URL.
+        url: ``host:port[,host:port]`` or a ``kafka://`` URL.
         consumer_config: extra ``AIOKafkaConsumer`` keyword arguments
             (``group_id``, ``enable_auto_commit`` and the listener are set here).
         producer_config: extra ``AIOKafkaProducer`` keyword arguments.
@@ -139,7 +139,7 @@ class AIOKafkaBroker:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        url: str,
         *,
         consumer_config: Mapping[str, Any] | None = None,
         producer_config: Mapping[str, Any] | None = None,
@@ -148,10 +148,10 @@ class AIOKafkaBroker:
         delivery_timeout: float = 30.0,
         connect_timeout: float = 5.0,
     ) -> None:
-        if not isinstance(bootstrap_servers, str) or not bootstrap_servers:
+        if not isinstance(url, str) or not url:
             raise ConfigurationError("AIOKafkaBroker needs 'host:port' or a kafka:// URL, "
-                                     f"got {bootstrap_servers!r}")
-        self.bootstrap_servers = bootstrap_servers.split("://", 1)[-1]
+                                     f"got {url!r}")
+        self.bootstrap_servers = url.split("://", 1)[-1]
         self.delivery_timeout = seconds(delivery_timeout) or 0.0
         self.connect_timeout = seconds(connect_timeout) or 0.0
         self.retry_suffix = retry_suffix
