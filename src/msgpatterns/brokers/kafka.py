@@ -367,18 +367,23 @@ class KafkaBroker:
                 out: list[Message] = []
                 now = self.now()
                 rewound: set[tuple[str, int]] = set()
+                failure: BrokerError | None = None
                 for record in records:
                     if (record.topic(), record.partition()) in rewound:
                         continue  # re-read after the seek back
                     try:
                         message = self._accept(state, group, record, now)
-                    except BrokerError:
+                    except BrokerError as exc:
+                        # only this partition is read again; the batch's records of
+                        # the other partitions are still handed out (the consumer's
+                        # position has passed them: dropping them would lose them)
                         self._rewind(state, record, rewound)
-                        if not out:
-                            raise
+                        failure = failure or exc
                         continue
                     if message is not None:
                         out.append(message)
+                if failure is not None and not out:
+                    raise failure
                 if out or time.monotonic() >= give_up:
                     return out
 
