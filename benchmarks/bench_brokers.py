@@ -22,6 +22,7 @@ MSGPATTERNS_NATS_URL); a missing one is reported and skipped.
 
     python benchmarks/bench_brokers.py [--messages N] [--repeats R]
     python benchmarks/bench_brokers.py --only publish_many [--publish-messages N]
+    python benchmarks/bench_brokers.py --only rabbitmq   # the RabbitMQ consume row alone
 """
 
 from __future__ import annotations
@@ -377,8 +378,13 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--publish-messages", type=int, default=2_000)
-    parser.add_argument("--only", choices=["consume", "publish_many"], default=None)
+    parser.add_argument("--only", choices=["consume", "publish_many", "rabbitmq"],
+                        default=None)
     args = parser.parse_args()
+    if args.only == "rabbitmq":  # the RabbitMQ consume row alone
+        compare("brokers.rabbitmq", "rabbitmq", rabbitmq_round, args.messages,
+                args.repeats, {"raw": "raw pika basic_consume, manual ack"})
+        return
     if args.only != "consume":
         publish_many_benches(args.publish_messages, args.repeats)
     if args.only == "publish_many":

@@ -211,10 +211,10 @@ class KafkaHarness(AsyncHarness):
         super().__init__()
 
     def _make(self) -> Any:
-        from msgpatterns.aio.kafka import AsyncKafkaBroker
+        from msgpatterns.aio.kafka import ThreadedAsyncKafkaBroker
 
-        return AsyncKafkaBroker(self.cluster.bootstrap_servers,
-                                consumer_config=KAFKA_TEST_CONSUMER)
+        return ThreadedAsyncKafkaBroker(self.cluster.bootstrap_servers,
+                                        consumer_config=KAFKA_TEST_CONSUMER)
 
     def sync_broker(self) -> Any:
         from msgpatterns.brokers import KafkaBroker
@@ -246,16 +246,58 @@ class KafkaHarness(AsyncHarness):
                     await result
 
 
+class AIOKafkaHarness(KafkaHarness):
+    """Kafka on aiokafka (no threads), against the same mock cluster and topics."""
+
+    name = "kafka-aiokafka"
+    crash_window = 8.0  # a classic-protocol group waits 3 s per (re)join on the mock
+
+    def __init__(self) -> None:
+        require_library("aiokafka", "AIOKafkaBroker")
+        super().__init__()
+
+    def _make(self) -> Any:
+        from msgpatterns.aio.kafka_native import AIOKafkaBroker
+
+        return AIOKafkaBroker(self.cluster.bootstrap_servers,
+                              consumer_config=AIOKAFKA_TEST_CONSUMER)
+
+    def sync_broker(self) -> Any:
+        # One group, one group protocol and one assignor: aiokafka speaks the classic
+        # protocol (librdkafka's default) with the round-robin assignor; the mock
+        # cluster mixes neither KIP-848 members nor assignors (it aborts).
+        from msgpatterns.brokers import KafkaBroker
+
+        classic = {**KAFKA_TEST_CONSUMER, "group.protocol": "classic",
+                   "partition.assignment.strategy": "roundrobin",
+                   "session.timeout.ms": 4000, "heartbeat.interval.ms": 1000}
+        broker = KafkaBroker(self.cluster.bootstrap_servers, consumer_config=classic)
+        self.brokers.append(broker)
+        return broker
+
+    async def crash(self, broker: Any) -> None:
+        # Gone without committing: the consumers leave their groups, nothing commits.
+        for state in broker._groups.values():
+            await state.consumer.stop()
+        broker._groups.clear()
+
+
+#: aiokafka consumer settings for tests: short fetch waits, like KAFKA_TEST_CONSUMER.
+AIOKAFKA_TEST_CONSUMER = {"fetch_max_wait_ms": 50, "session_timeout_ms": 4000,
+                          "heartbeat_interval_ms": 1000}
+
 HARNESSES: dict[str, Callable[[], AsyncHarness]] = {
     "memory": MemoryHarness, "redis": RedisHarness, "rabbitmq": RabbitMQHarness,
-    "kafka": KafkaHarness,
+    "kafka": KafkaHarness, "kafka-aiokafka": AIOKafkaHarness,
 }
 
 
 @pytest.fixture(params=[pytest.param("memory", id="memory"),
                         pytest.param("redis", id="redis", marks=pytest.mark.redis),
                         pytest.param("rabbitmq", id="rabbitmq", marks=pytest.mark.rabbitmq),
-                        pytest.param("kafka", id="kafka", marks=pytest.mark.kafka)])
+                        pytest.param("kafka", id="kafka", marks=pytest.mark.kafka),
+                        pytest.param("kafka-aiokafka", id="kafka-aiokafka",
+                                     marks=pytest.mark.kafka)])
 async def h(request: pytest.FixtureRequest) -> AsyncIterator[AsyncHarness]:
     harness = HARNESSES[request.param]()
     try:

@@ -74,3 +74,40 @@ async def test_a_closed_broker_refuses_every_operation(rabbitmq_url: str,
         await broker.fetch([topic], group)
     with pytest.raises(BrokerClosed):
         await broker.publish(topic, b"y")
+
+
+async def test_batched_acks_never_cover_a_held_delivery_or_a_hand_back(
+        rabbitmq_url: str, names: tuple[str, str]) -> None:
+    """Eight deliveries acked out of order, all in one loop turn (one batched flush),
+    with the 3rd held and the 5th handed back by a refused nack delay: the server
+    (rabbitmqctl) shows exactly the held one unacknowledged; the handed-back one comes
+    back once; close() returns the held one to the queue."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "regressions"))
+    from test_rabbitmq import settled_on_server
+
+    from msgpatterns.aio.rabbitmq import AsyncRabbitMQBroker
+    from msgpatterns.errors import ConfigurationError
+
+    topic, group = names
+    broker = AsyncRabbitMQBroker(rabbitmq_url, prefetch=20)
+    await broker.subscribe(topic, group)
+    queue = broker.queue_name(topic, group)
+    for i in range(8):
+        await broker.publish(topic, f"m{i}".encode())
+    got: list = []
+    while len(got) < 8:
+        got += await broker.fetch([topic], group, max_messages=8 - len(got), timeout=2)
+    assert [m.raw_body for m in got] == [f"m{i}".encode() for i in range(8)]
+    with pytest.raises(ConfigurationError):
+        await broker.nack(got[4], -1.0)
+    await asyncio.gather(*(broker.ack(m) for m in reversed(got) if m not in (got[2], got[4])))
+    [back] = await broker.fetch([topic], group, max_messages=5, timeout=5)
+    assert back.raw_body == b"m4"
+    await broker.ack(back)
+    await asyncio.to_thread(settled_on_server, topic, {queue: (0, 1)})
+    await broker.close()
+    await asyncio.to_thread(settled_on_server, topic, {queue: (1, 0)})

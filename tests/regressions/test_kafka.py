@@ -414,3 +414,94 @@ def test_hostile_foreign_records_are_dead_lettered_and_the_rest_proceed_once(
     assert "null" in reasons[4]
     assert all(d.message.id == f"{topic}-0-{d.message.offset}" for d in dead)
     nothing_left_behind(bootstrap, group, topic)
+
+
+# -- a failed dead letter at fetch time loses nothing of the other partitions -------------
+
+
+class _Record:
+    """A confluent-kafka record as the adapter reads it."""
+
+    def __init__(self, topic: str, partition: int, offset: int, value: bytes | None) -> None:
+        self._where = (topic, partition, offset)
+        self._value = value
+
+    def error(self) -> None:
+        return None
+
+    def topic(self) -> str:
+        return self._where[0]
+
+    def partition(self) -> int:
+        return self._where[1]
+
+    def offset(self) -> int:
+        return self._where[2]
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def key(self) -> None:
+        return None
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return []
+
+    def timestamp(self) -> tuple[int, int]:
+        return (0, 0)
+
+
+class _OneBatchConsumer:
+    """Hands out one batch, then nothing; records seeks."""
+
+    def __init__(self, batch: list[_Record]) -> None:
+        self.batch = batch
+        self.seeks: list[tuple[str, int, int]] = []
+
+    def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+        pass
+
+    def consume(self, num_messages: int, timeout: float) -> list[_Record]:
+        batch, self.batch = self.batch, []
+        return batch
+
+    def seek(self, tp: Any) -> None:
+        self.seeks.append((tp.topic, tp.partition, tp.offset))
+
+    def commit(self, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_dead_letter_that_fails_at_fetch_time_drops_no_other_partition(
+    bootstrap: str, topic: str, brokers: list[Any]
+) -> None:
+    """A null-value record (partition 0) must be dead-lettered at fetch time, and that
+    produce fails. Its partition is read again from it; the good records of partitions
+    1 and 2 that came after it in the same batch are still handed out (the consumer's
+    position has passed them: dropping them would lose them for good)."""
+    from msgpatterns.errors import BrokerError
+
+    broker = make_broker(bootstrap, brokers)
+    group = f"g-{topic}"
+    consumer = _OneBatchConsumer([_Record(topic, 0, 0, None), _Record(topic, 1, 5, b"a"),
+                                  _Record(topic, 0, 1, b"behind the bad one"),
+                                  _Record(topic, 2, 7, b"b")])
+    broker._adopt(group, consumer, [topic])
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise BrokerUnavailable("the cluster refused the dead letter")
+
+    broker._produce = refuse
+    got = broker.fetch([topic], group, max_messages=10, timeout=0)
+    assert sorted((m.partition, m.offset, m.raw_body) for m in got) == [
+        (1, 5, b"a"), (2, 7, b"b")]
+    assert consumer.seeks == [(topic, 0, 0)]  # only the failed partition is re-read
+    broker._release(group)
+    consumer.batch = [_Record(topic, 0, 0, None)]
+    broker._adopt(group, consumer, [topic])
+    with pytest.raises(BrokerError):  # alone in its batch, the failure is raised
+        broker.fetch([topic], group, max_messages=10, timeout=0)
+    broker._release(group)

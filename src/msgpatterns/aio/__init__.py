@@ -19,13 +19,15 @@ from msgpatterns.aio.consumer import AsyncConsumer, AsyncHandler
 from msgpatterns.aio.memory import AsyncInMemoryBroker
 
 if TYPE_CHECKING:
-    from msgpatterns.aio.kafka import AsyncKafkaBroker
+    from msgpatterns.aio.kafka import ThreadedAsyncKafkaBroker
+    from msgpatterns.aio.kafka_native import AIOKafkaBroker, AsyncKafkaBroker
     from msgpatterns.aio.rabbitmq import AsyncRabbitMQBroker
     from msgpatterns.aio.redis_streams import AsyncRedisStreamsBroker
     from msgpatterns.aio.threaded import ThreadedAsyncBroker
     from msgpatterns.aio.version_guard import AsyncVersionGuard
 
 __all__ = [
+    "AIOKafkaBroker",
     "AsyncBatchExecutor",
     "AsyncBroker",
     "AsyncConsumer",
@@ -39,12 +41,15 @@ __all__ = [
     "AsyncRedisStreamsBroker",
     "AsyncVersionGuard",
     "ThreadedAsyncBroker",
+    "ThreadedAsyncKafkaBroker",
 ]
 
 _LAZY = {
     "AsyncRedisStreamsBroker": "msgpatterns.aio.redis_streams",
     "AsyncRabbitMQBroker": "msgpatterns.aio.rabbitmq",
-    "AsyncKafkaBroker": "msgpatterns.aio.kafka",
+    "AsyncKafkaBroker": "msgpatterns.aio.kafka_native",
+    "ThreadedAsyncKafkaBroker": "msgpatterns.aio.kafka",
+    "AIOKafkaBroker": "msgpatterns.aio.kafka_native",
     "ThreadedAsyncBroker": "msgpatterns.aio.threaded",
     "AsyncVersionGuard": "msgpatterns.aio.version_guard",
 }

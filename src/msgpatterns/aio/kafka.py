@@ -1,7 +1,10 @@
-"""AsyncKafkaBroker: the :class:`~msgpatterns.aio.base.AsyncBroker` protocol on Kafka.
+"""The asyncio Kafka adapters: :class:`ThreadedAsyncKafkaBroker` (here) and
+:class:`~msgpatterns.aio.kafka_native.AIOKafkaBroker` (aiokafka); ``AsyncKafkaBroker``
+is the default of the two: the aiokafka one, faster in ``benchmarks/bench_async_kafka.py``
+with the same conformance suite green (docs/asyncio.md).
 
-It is the sync :class:`~msgpatterns.brokers.KafkaBroker` (confluent-kafka) run in
-worker threads - the mechanism of confluent-kafka's own asyncio API
+:class:`ThreadedAsyncKafkaBroker` is the sync :class:`~msgpatterns.brokers.KafkaBroker`
+(confluent-kafka) run in worker threads - the mechanism of confluent-kafka's own asyncio API
 (``confluent_kafka.aio``, which runs the sync client in an executor) - so the topics
 (``T``, ``T.retry``, ``T.DLT``), the wire format, the offset tracking (never commit
 past an unsettled record), the due-time pausing of retry partitions, rebalance handling
@@ -22,11 +25,11 @@ from msgpatterns._callables import renamed_arguments
 from msgpatterns.aio.threaded import ThreadedAsyncBroker
 from msgpatterns.brokers.kafka import KafkaBroker
 
-__all__ = ["AsyncKafkaBroker"]
+__all__ = ["ThreadedAsyncKafkaBroker"]
 
 
-class AsyncKafkaBroker(ThreadedAsyncBroker):
-    """``AsyncKafkaBroker(url, **options)``: the arguments of
+class ThreadedAsyncKafkaBroker(ThreadedAsyncBroker):
+    """``ThreadedAsyncKafkaBroker(url, **options)``: the options of
     :class:`~msgpatterns.brokers.KafkaBroker`; :attr:`sync` is that broker (its
     dead-letter admin, ``commit``, ...)."""
 
@@ -35,3 +38,13 @@ class AsyncKafkaBroker(ThreadedAsyncBroker):
     @renamed_arguments(bootstrap_or_config="url")
     def __init__(self, url: str | Mapping[str, Any], **options: Any) -> None:
         super().__init__(KafkaBroker(url, **options))
+
+
+def __getattr__(name: str) -> Any:
+    # ``AsyncKafkaBroker`` (the default adapter) is the aiokafka one since it passed the
+    # same conformance suite and measured faster; imported from here for compatibility.
+    if name == "AsyncKafkaBroker":
+        from msgpatterns.aio.kafka_native import AsyncKafkaBroker
+
+        return AsyncKafkaBroker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

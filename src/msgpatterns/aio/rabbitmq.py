@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from msgpatterns._extras import require
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._ack_window import AckWindow
 from msgpatterns.brokers.rabbitmq import (
     RabbitMQBroker,
     dead_letter_queue_arguments,
@@ -144,6 +145,11 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         self._tags = itertools.count(1)
         self._callbacks: set[asyncio.Task[Any]] = set()  # deliveries being taken in
         self._closed = False
+        # Batched acks, per channel (delivery tags are per channel): the settled tags,
+        # the acks awaiting the next flush, and the flush task (one at a time).
+        self._windows: dict[Any, AckWindow] = {}
+        self._ack_waiters: dict[Any, list[asyncio.Future[None]]] = {}
+        self._flushing: asyncio.Task[None] | None = None
 
     # -- names (the sync adapter's) ------------------------------------------------------
 
@@ -201,12 +207,58 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
                     return out
 
     async def ack(self, message: Message) -> None:
+        """Ack the delivery; returns once the ack was written. Acks of one event-loop
+        turn go out together: the channel's contiguous settled prefix as one
+        ``basic_ack(multiple=True)`` (one quorum-queue command), settled tags above an
+        unsettled one singly; a delivery not settled is never covered."""
         r = self._receipt(message)
+        channel = r.incoming.channel
+        if not self._window(channel).ack(r.incoming.delivery_tag):
+            return  # not an unsettled delivery of this channel: nothing to send
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ack_waiters.setdefault(channel, []).append(done)
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._send_acks())
         try:
-            await r.incoming.ack()
+            await asyncio.shield(done)
         except Exception as exc:
             raise BrokerError(f"{self.name}: ack of {message.id} failed (its connection "
                               f"is gone: it is redelivered): {describe(exc)}") from exc
+
+    def _window(self, channel: Any) -> AckWindow:
+        window = self._windows.get(channel)
+        if window is None:
+            window = self._windows[channel] = AckWindow()
+        return window
+
+    async def _send_acks(self) -> None:
+        """Send what the acks of this loop turn settled, channel by channel, and wake
+        their callers (with the channel's error, if sending failed)."""
+        await asyncio.sleep(0)  # the acks of the same turn join this flush
+        self._flushing = None
+        waiters, self._ack_waiters = self._ack_waiters, {}
+        for channel, window in list(self._windows.items()):
+            upto, singles = window.take()
+            error: BaseException | None = None
+            try:
+                if upto is not None:
+                    await channel.basic_ack(upto, multiple=True)
+                for tag in singles:
+                    await channel.basic_ack(tag)
+            except Exception as exc:
+                error = exc
+            if channel.is_closed:  # its deliveries went back to the queue
+                self._windows.pop(channel, None)
+            for done in waiters.pop(channel, []):
+                if not done.done():
+                    if error is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(error)
+        for rest in waiters.values():  # a channel forgotten meanwhile
+            for done in rest:
+                if not done.done():
+                    done.set_exception(BrokerError("the channel is gone"))
 
     async def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds (through a TTL retry queue) with
@@ -365,6 +417,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
     async def _on_message(self, incoming: Any, topic: str, queue: str, group: str) -> None:
         """A delivery: buffered for fetch, or dead-lettered with the reason when it
         cannot become a Message. Never raises."""
+        self._window(incoming.channel).delivered(incoming.delivery_tag)
         receipt = _Receipt(incoming, queue, group)
         try:
             message = _message(topic, incoming)
@@ -428,6 +481,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         """Return the delivery to its queue (a settlement failed or was refused)."""
         try:
             await r.incoming.nack(requeue=True)
+            self._window(r.incoming.channel).gone(r.incoming.delivery_tag)
         except Exception:
             log.debug("%s: handing back a delivery failed (its connection is gone: the "
                       "server requeued it)", self.name, exc_info=True)

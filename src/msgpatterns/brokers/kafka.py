@@ -46,22 +46,26 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from msgpatterns import headers as h
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
+from msgpatterns.brokers._kafka_records import (
+    GroupState,
+    KafkaReceipt,
+    OffsetTracker,
+    RecordView,
+    judge,
+    malformed_letter,
+)
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import (
     BrokerClosed,
@@ -154,96 +158,16 @@ class _Lifecycle:
             return True
 
 
-class OffsetTracker:
-    """One partition's delivered offsets and which of them are settled.
-
-    :meth:`position` is the offset to commit: the first delivered offset not yet
-    settled, or one past the last delivered when all are. It never passes an
-    unsettled offset, whatever order settlements arrive in.
-    """
-
-    __slots__ = ("_done", "_last", "_open", "_pending", "committed", "epoch")
-
-    def __init__(self, epoch: int = 0) -> None:
-        self.epoch = epoch
-        self._pending: deque[int] = deque()  # delivered, in order, up to the position
-        self._open: set[int] = set()  # the same offsets, for lookups
-        self._done: set[int] = set()  # the settled ones among them
-        self._last: int | None = None
-        self.committed: int | None = None
-
-    def delivered(self, offset: int) -> None:
-        """``offset`` was handed out (offsets arrive in increasing order)."""
-        if self._last is not None and offset <= self._last:
-            return
-        self._pending.append(offset)
-        self._open.add(offset)
-        self._last = offset
-
-    def settled(self, offset: int) -> None:
-        """``offset`` is done (acked, retried or dead-lettered)."""
-        if offset in self._open:
-            self._done.add(offset)
-
-    def position(self) -> int | None:
-        """The offset to commit, or None before the first delivery."""
-        while self._pending and self._pending[0] in self._done:
-            head = self._pending.popleft()
-            self._done.discard(head)
-            self._open.discard(head)
-        if self._pending:
-            return self._pending[0]
-        return None if self._last is None else self._last + 1
-
-    @property
-    def unsettled(self) -> int:
-        """Delivered offsets not settled yet."""
-        return len(self._open) - len(self._done)
+_Receipt = KafkaReceipt
+_Group = GroupState
 
 
-@dataclass(frozen=True, slots=True)
-class _Receipt:
-    group: str
-    topic: str  # where the record was read (the topic or its retry topic)
-    partition: int
-    offset: int
-    epoch: int
-
-
-@dataclass
-class _Group:
-    """One consumer group's client and per-partition state."""
-
-    consumer: Any
-    topics: tuple[str, ...]
-    retry_topics: dict[str, str]  # retry topic -> topic
-    trackers: dict[tuple[str, int], OffsetTracker] = field(default_factory=dict)
-    paused: dict[tuple[str, int], float] = field(default_factory=dict)  # -> due time
-
-
-def _utf8(value: Any) -> bool:
-    if isinstance(value, bytes | bytearray):
-        try:
-            bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            return False
-    return True
-
-
-def _malformed(record: Any) -> str | None:
-    """Why ``record`` cannot be handed out as a Message faithfully, or None: a null
-    value (a Message body is bytes), a header value that is not UTF-8 (headers are
-    text), an attempt header that is not a positive integer (the attempt is unknown)."""
-    if record.value() is None:
-        return "the record has a null value (a tombstone); a message needs a body"
-    for name, value in record.headers() or []:
-        if not _utf8(value):
-            return f"header {name!r} is not UTF-8: {bytes(value)[:64]!r}"
-        if name == h.ATTEMPT:
-            text = codec.text(value)
-            if not text.strip().isdigit() or int(text) < 1:
-                return f"header {h.ATTEMPT!r} is not a positive integer: {text[:64]!r}"
-    return None
+def _view(record: Any) -> RecordView:
+    """A confluent-kafka record as the adapters' client-neutral record."""
+    stamp = record.timestamp()
+    return RecordView(record.topic(), record.partition(), record.offset(), record.key(),
+                      record.value(), tuple(record.headers() or ()),
+                      stamp[1] if stamp[1] > 0 else None)
 
 
 def _bootstrap(url: str) -> str:
@@ -301,7 +225,6 @@ class KafkaBroker(BrokerAdapter):
         self._life = _Lifecycle()
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
-        self._epochs = itertools.count(1)
         self._owns_producer = producer is None
         self._producer = producer if producer is not None else self._client(
             "Producer", {**self._base, "enable.idempotence": True, **(producer_config or {})})
@@ -419,27 +342,32 @@ class KafkaBroker(BrokerAdapter):
             while True:
                 now = self.now()
                 self._resume_due(state, now)
-                wait = max(0.0, min(give_up - time.monotonic(), _FETCH_SLICE))
-                if state.paused:
-                    wait = min(wait, max(0.0, min(state.paused.values()) - now))
+                with self._lock:
+                    wait = state.wait(now, max(0.0, min(give_up - time.monotonic(),
+                                                        _FETCH_SLICE)))
                 records = state.consumer.consume(num_messages=max_messages, timeout=wait)
                 if self._life.closed:
                     return []  # close() began: hand out nothing read since
                 out: list[Message] = []
                 now = self.now()
                 rewound: set[tuple[str, int]] = set()
+                failure: BrokerError | None = None
                 for record in records:
                     if (record.topic(), record.partition()) in rewound:
                         continue  # re-read after the seek back
                     try:
                         message = self._accept(state, group, record, now)
-                    except BrokerError:
+                    except BrokerError as exc:
+                        # only this partition is read again; the batch's records of
+                        # the other partitions are still handed out (the consumer's
+                        # position has passed them: dropping them would lose them)
                         self._rewind(state, record, rewound)
-                        if not out:
-                            raise
+                        failure = failure or exc
                         continue
                     if message is not None:
                         out.append(message)
+                if failure is not None and not out:
+                    raise failure
                 if out or time.monotonic() >= give_up:
                     return out
 
@@ -575,7 +503,7 @@ class KafkaBroker(BrokerAdapter):
                 "enable.auto.commit": False,
                 "on_commit": self._on_commit,
             })
-            state = _Group(consumer, wanted, {})
+            state = _Group(consumer, wanted)
             self._groups[group] = state
         self._subscribe(state, wanted)
         return state
@@ -587,7 +515,7 @@ class KafkaBroker(BrokerAdapter):
         :meth:`close` closes it; :meth:`_release` hands it back instead."""
         if group in self._groups:
             raise ConfigurationError(f"{self!r} already consumes group {group!r}")
-        state = _Group(consumer, (), {})
+        state = _Group(consumer)
         self._groups[group] = state
         self._subscribe(state, tuple(topics))
         return state
@@ -630,75 +558,40 @@ class KafkaBroker(BrokerAdapter):
         with self._lock:
             if where in state.paused:
                 return None  # read past a paused retry; re-read after resuming
-            tracker = state.trackers.get(where)
-            if tracker is None:
-                tracker = state.trackers[where] = OffsetTracker(next(self._epochs))
-        problem = _malformed(record)
-        if problem is not None:
-            self._reject_malformed(state, group, record, tracker, problem, now)
+            tracker = state.tracker(where)
+        view = _view(record)
+        verdict = judge(view, state.retry_topics, group, now)
+        if verdict.action == "reject":
+            assert verdict.problem is not None
+            self._reject_malformed(group, view, verdict.topic, tracker, verdict.problem, now)
             return None
-        t = codec.split_transport(record.headers() or [])
-        topic = record.topic()
-        if topic in state.retry_topics:
-            if t.group is not None and t.group != group:
-                with self._lock:  # another group's retry: nothing to do here
-                    tracker.delivered(offset)
-                    tracker.settled(offset)
-                return None
-            if t.due_at is not None and t.due_at > now:
-                self._pause(state, record.topic(), record.partition(), offset, t.due_at)
-                return None
-            topic = state.retry_topics[topic]
+        if verdict.action == "wait":
+            assert verdict.due_at is not None
+            self._pause(state, view.read_topic, view.partition, offset, verdict.due_at)
+            return None
         with self._lock:
             tracker.delivered(offset)
-        key = record.key()
-        stamp = record.timestamp()
-        message = Message(
-            record.value() or b"",
-            id=t.id or f"{record.topic()}-{record.partition()}-{offset}",
-            key=codec.text(key) if key is not None else t.key,
-            topic=topic,
-            headers=t.headers,
-            timestamp=t.timestamp or (stamp[1] / 1000 if stamp[1] > 0 else None),
-            attempt=codec.attempt_of(t.headers),
-            partition=record.partition(),
-            offset=offset,
-        )
-        message.receipt = _Receipt(group, record.topic(), record.partition(), offset,
+            if verdict.action == "skip":  # another group's retry: nothing to do here
+                tracker.settled(offset)
+                return None
+        message = verdict.message
+        assert message is not None
+        message.receipt = _Receipt(group, view.read_topic, view.partition, offset,
                                    tracker.epoch)
         return message
 
-    def _reject_malformed(self, state: _Group, group: str, record: Any,
+    def _reject_malformed(self, group: str, record: RecordView, topic: str,
                           tracker: OffsetTracker, problem: str, now: float) -> None:
         """Dead-letter a record the adapter cannot hand out faithfully (raw value and
         header bytes kept, the reason in the record); settled once confirmed."""
-        topic = state.retry_topics.get(record.topic(), record.topic())
-        raw = record.headers() or []
-        readable = {k: codec.text(v) for k, v in raw if _utf8(v)}
-        transport = codec.split_transport(readable)
-        message = Message(
-            record.value() or b"",
-            id=transport.id or f"{record.topic()}-{record.partition()}-{record.offset()}",
-            key=codec.text(record.key()) if record.key() is not None else transport.key,
-            topic=topic,
-            headers={k: v for k, v in transport.headers.items() if k != h.ATTEMPT},
-            timestamp=transport.timestamp,
-            partition=record.partition(),
-            offset=record.offset(),
-        )
-        letter = DeadLetter(
-            message=message, error_type="msgpatterns.errors.MalformedMessage",
-            error_message=problem, traceback="", attempts=1, first_failed_at=now,
-            last_failed_at=now, reason=f"malformed record: {problem}", group=group,
-        )
-        log.warning("%s: %s %s-%s@%s dead-lettered: %s", group, topic, record.topic(),
-                    record.partition(), record.offset(), problem)
-        unreadable = [(k, v) for k, v in raw if not _utf8(v)]
-        self._produce(self.dead_letter_topic(topic), record.value(),
-                      message.key, codec.dead_letter_headers(letter), extra=unreadable)
+        letter, unreadable = malformed_letter(record, topic, group, problem, now)
+        log.warning("%s: %s %s dead-lettered: %s", group, topic, record.position, problem)
+        self._produce(self.dead_letter_topic(topic), record.value,
+                      letter.message.key, codec.dead_letter_headers(letter),
+                      extra=unreadable)
         with self._lock:
-            tracker.delivered(record.offset())
-            tracker.settled(record.offset())
+            tracker.delivered(record.offset)
+            tracker.settled(record.offset)
 
     def _rewind(self, state: _Group, record: Any, rewound: set[tuple[str, int]]) -> None:
         """A record could not be settled at fetch time: read its partition again from
@@ -714,35 +607,24 @@ class KafkaBroker(BrokerAdapter):
         state.consumer.seek(kafka.TopicPartition(topic, partition, offset))
         state.consumer.pause([kafka.TopicPartition(topic, partition)])
         with self._lock:
-            state.paused[(topic, partition)] = due
+            state.pause((topic, partition), due)
 
     def _resume_due(self, state: _Group, now: float) -> None:
         with self._lock:
-            due = [tp for tp, when in state.paused.items() if when <= now]
-            for tp in due:
-                del state.paused[tp]
+            due = state.due(now)
         if due:
             state.consumer.resume([kafka.TopicPartition(t, p) for t, p in due])
 
     def _on_assign(self, state: _Group, partitions: list[Any]) -> None:
         with self._lock:
-            for tp in partitions:
-                state.trackers[(tp.topic, tp.partition)] = OffsetTracker(next(self._epochs))
-                state.paused.pop((tp.topic, tp.partition), None)
+            state.assigned((tp.topic, tp.partition) for tp in partitions)
 
     def _on_revoke(self, state: _Group, consumer: Any, partitions: list[Any]) -> None:
         """Commit the revoked partitions' settled prefix (unless lost) and forget them:
         their in-flight messages' settlements become no-ops."""
-        offsets = []
         with self._lock:
-            for tp in partitions:
-                where = (tp.topic, tp.partition)
-                tracker = state.trackers.pop(where, None)
-                state.paused.pop(where, None)
-                position = None if tracker is None else tracker.position()
-                if position is not None and tracker is not None \
-                        and position != tracker.committed:
-                    offsets.append(kafka.TopicPartition(tp.topic, tp.partition, position))
+            positions = state.revoked((tp.topic, tp.partition) for tp in partitions)
+        offsets = [kafka.TopicPartition(t, p, o) for (t, p), o in positions.items()]
         if consumer is not None and offsets:
             try:
                 consumer.commit(offsets=offsets, asynchronous=False)
@@ -760,22 +642,15 @@ class KafkaBroker(BrokerAdapter):
         """A commit of ``partitions`` failed: the next fetch commits them again."""
         with self._lock:
             for state in states:
-                for tp in partitions:
-                    found = state.trackers.get((tp.topic, tp.partition))
-                    if found is not None:
-                        found.committed = None
+                state.forget_commits((tp.topic, tp.partition) for tp in partitions)
 
     def _commit(self, state: _Group, *, asynchronous: bool,
                 strict: bool = False) -> list[Any]:
         """Commit the settled prefixes that moved; a failure is logged and retried on
         the next fetch, or raised when ``strict``."""
-        offsets = []
         with self._lock:
-            for (topic, partition), tracker in state.trackers.items():
-                position = tracker.position()
-                if position is not None and position != tracker.committed:
-                    offsets.append(kafka.TopicPartition(topic, partition, position))
-                    tracker.committed = position
+            moved = state.moved()
+        offsets = [kafka.TopicPartition(t, p, o) for (t, p), o in moved.items()]
         if offsets:
             try:
                 state.consumer.commit(offsets=offsets, asynchronous=asynchronous)
@@ -790,14 +665,13 @@ class KafkaBroker(BrokerAdapter):
     def _stale(self, r: _Receipt) -> bool:
         state = self._groups.get(r.group)
         with self._lock:
-            tracker = None if state is None else state.trackers.get((r.topic, r.partition))
-            return tracker is None or tracker.epoch != r.epoch
+            return state is None or state.current(r) is None
 
     def _settled(self, r: _Receipt) -> None:
         state = self._groups.get(r.group)
         with self._lock:
-            tracker = None if state is None else state.trackers.get((r.topic, r.partition))
-            if tracker is not None and tracker.epoch == r.epoch:
+            tracker = None if state is None else state.current(r)
+            if tracker is not None:
                 tracker.settled(r.offset)
 
     def _produce(self, topic: str, value: bytes | None, key: str | None,

@@ -12,7 +12,11 @@ Topology, for a topic ``T`` and a consumer group ``G`` (names are templates):
 Guarantees:
 
 * Manual acks, at most ``prefetch`` unacked deliveries per broker object (set it to the
-  Consumer's ``max_in_flight``).
+  Consumer's ``max_in_flight``). Acks are batched: after each run of queued
+  settlements, the contiguous settled prefix of the channel's delivery tags goes as one
+  ``basic_ack(multiple=True)`` (one quorum-queue command, not one per message);
+  settled tags above an unsettled one are acked singly. A tag not yet settled is never
+  covered.
 * Two channels on one connection: deliveries and their acks on the *consume* channel;
   publishes (with publisher confirms) and declarations on a *side* channel. A publish
   or declaration the server refuses closes at most the side channel, which is reopened
@@ -72,6 +76,7 @@ from msgpatterns import headers as h
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._ack_window import AckWindow
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._reconnect import (
@@ -422,6 +427,7 @@ class RabbitMQBroker(BrokerAdapter):
         self._side: Any = None  # publishes (confirmed) and declarations
         self._batches: _Confirms | None = None  # publish_many: confirms counted, not awaited
         self._generation = 0
+        self._acks = AckWindow()  # the consume channel's settled tags (I/O thread only)
         self._ids = itertools.count(1)
         retrying = reconnecting(_CONNECTION_ERRORS, logger=log, what="RabbitMQ connect",
                                 attempts=None, within=connect_timeout,
@@ -686,6 +692,7 @@ class RabbitMQBroker(BrokerAdapter):
             channel.basic_qos(prefetch_count=self.prefetch)
             self._conn, self._channel, self._side = conn, channel, None
             self._generation += 1
+            self._acks = AckWindow()  # delivery tags are per channel
 
         retrying(connect)
 
@@ -828,7 +835,7 @@ class RabbitMQBroker(BrokerAdapter):
             with self._ops_lock:
                 if not self._ops:
                     self._wake_pending = False
-                    return
+                    break
                 fn, future = self._ops.popleft()
             if future is not None and not future.set_running_or_notify_cancel():
                 continue
@@ -844,6 +851,7 @@ class RabbitMQBroker(BrokerAdapter):
             else:
                 if future is not None:
                     future.set_result(result)
+        self._send_acks()
 
     # -- I/O-thread helpers (run with the channel) ------------------------------------
 
@@ -933,6 +941,7 @@ class RabbitMQBroker(BrokerAdapter):
         """Return the delivery to its queue (a settlement failed or was refused)."""
         if r.generation == self._generation and self._usable():
             self._channel.basic_nack(r.delivery_tag, requeue=True)
+            self._acks.gone(r.delivery_tag)
 
     @contextmanager
     def _or_hand_back(self, r: _Receipt) -> Iterator[None]:
@@ -976,15 +985,35 @@ class RabbitMQBroker(BrokerAdapter):
         self._settle(channel, r)
 
     def _settle(self, channel: Any, r: _Receipt) -> None:
+        """Count the delivery settled; its ack goes out with the next
+        :meth:`_send_acks` (when the queued operations have run)."""
         if r.generation == self._generation:
-            channel.basic_ack(r.delivery_tag)
+            self._acks.ack(r.delivery_tag)
+
+    def _send_acks(self) -> None:
+        """Ack the settled deliveries: the contiguous settled prefix of the channel's
+        tags with one ``basic_ack(multiple=True)`` (one quorum-queue Raft command, not
+        one per message), settled tags above an unsettled one singly. A tag that is
+        not settled is never covered."""
+        upto, singles = self._acks.take()
+        if upto is None and not singles:
+            return
+        channel = self._channel
+        if channel is None or not channel.is_open:
+            return  # the server redelivers what this channel held
+        if upto is not None:
+            channel.basic_ack(upto, multiple=True)
+        for tag in singles:
+            channel.basic_ack(tag)
 
     def _on_message(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
         """A delivery from the server (I/O thread). Never raises: a delivery that cannot
         become a Message is dead-lettered with the reason."""
+        self._acks.delivered(method.delivery_tag)
         queue = self._tags.get(method.consumer_tag)
         if queue is None:  # a consumer we no longer track: let the server have it back
             channel.basic_nack(method.delivery_tag, requeue=True)
+            self._acks.gone(method.delivery_tag)
             return
         topic, group = self._routes[queue]
         receipt = _Receipt(self._generation, method.delivery_tag, queue, group)

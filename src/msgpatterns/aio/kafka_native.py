@@ -1,0 +1,580 @@
+"""AIOKafkaBroker: the :class:`~msgpatterns.aio.base.AsyncBroker` protocol on Kafka
+with aiokafka (no worker threads).
+
+Same topics, wire format and offset rule as the sync
+:class:`~msgpatterns.brokers.KafkaBroker` - the record mapping, the malformed-record
+check and the :class:`~msgpatterns.brokers._kafka_records.OffsetTracker` are the sync
+adapter's own (:mod:`msgpatterns.brokers._kafka_records`), so the two read each other's
+messages, retries and dead letters and the sync adapter's dead-letter admin
+(``msgpatterns dlq``) manages both:
+
+* ``T`` is read from the group's committed offsets; ``T.retry`` carries redeliveries
+  (attempt header, the group they are meant for, the time they are due); ``T.DLT``
+  dead letters with their full record.
+* Auto-commit is off. A partition's committed offset is the first delivered offset not
+  yet settled (committed at the next fetch and at :meth:`close`): out-of-order acks
+  never commit past an unsettled record, so a crash redelivers everything unsettled.
+* A retry or dead letter is produced and acknowledged by the cluster (idempotent
+  producer) before its offset counts as settled.
+* Retries are never early: a retry partition whose next record is not due is paused at
+  that record until it is; another group's retries are skipped.
+* Rebalances: revoked partitions commit their settled prefix; settlements of their
+  in-flight messages are then ignored (the new owner redelivers them).
+* Lifecycle: clients start on first use (the constructor does no I/O; a cluster that
+  does not answer within ``connect_timeout`` raises
+  :class:`~msgpatterns.errors.BrokerUnavailable`). :meth:`close` refuses new
+  operations, waits for those in progress (a fetch in progress returns nothing it read
+  after the close began), commits the settled prefixes, leaves the groups and stops the
+  producer; afterwards every operation raises :class:`~msgpatterns.errors.BrokerClosed`.
+* Errors: an aiokafka exception never escapes bare (it is the ``__cause__`` of a
+  :class:`~msgpatterns.errors.BrokerError` or
+  :class:`~msgpatterns.errors.BrokerUnavailable`).
+
+aiokafka speaks the classic consumer-group protocol: a new group's first join waits
+for the cluster's ``group.initial.rebalance.delay.ms`` (3 s on librdkafka's mock
+cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+from msgpatterns._extras import require
+from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers._batch import failed, outgoing
+from msgpatterns.brokers._kafka_records import (
+    GroupState,
+    KafkaReceipt,
+    OffsetTracker,
+    RecordView,
+    judge,
+    malformed_letter,
+)
+from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.errors import (
+    BrokerClosed,
+    BrokerError,
+    BrokerUnavailable,
+    ConfigurationError,
+    seconds,
+)
+from msgpatterns.message import Message
+
+aiokafka = require("aiokafka", "kafka")
+errors = require("aiokafka.errors", "kafka")
+
+__all__ = ["AIOKafkaBroker", "AsyncKafkaBroker"]
+
+log = logging.getLogger("msgpatterns.aio.kafka")
+
+#: Longest single wait inside a fetch: how soon a fetch notices close().
+_FETCH_SLICE = 0.1
+
+_UNAVAILABLE = tuple(
+    getattr(errors, name) for name in (
+        "KafkaConnectionError", "KafkaTimeoutError", "NodeNotReadyError",
+        "RequestTimedOutError", "LeaderNotAvailableError", "NotLeaderForPartitionError",
+        "NotEnoughReplicasError", "CoordinatorNotAvailableError",
+    ) if hasattr(errors, name)
+)
+
+
+def _error(exc: BaseException, what: str) -> BrokerError:
+    """The library's error for an aiokafka (or timeout) exception."""
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return BrokerUnavailable(f"Kafka {what}: no answer in time")
+    kind = BrokerUnavailable if isinstance(exc, _UNAVAILABLE) else BrokerError
+    return kind(f"Kafka {what} failed: {exc!r}")
+
+
+def _view(record: Any) -> RecordView:
+    """An aiokafka ConsumerRecord as the adapters' client-neutral record."""
+    stamp = record.timestamp
+    return RecordView(record.topic, record.partition, record.offset, record.key,
+                      record.value, tuple(record.headers or ()),
+                      stamp if stamp is not None and stamp > 0 else None)
+
+
+def _wire(headers: Mapping[str, str]) -> list[tuple[str, bytes]]:
+    return [(k, v.encode("utf-8")) for k, v in headers.items()]
+
+
+_Listener: Any = aiokafka.ConsumerRebalanceListener
+
+
+class _Rebalance(_Listener):  # type: ignore[misc]
+    """aiokafka's rebalance listener for one group: it keeps the offset trackers."""
+
+    def __init__(self, broker: AIOKafkaBroker, state: GroupState) -> None:
+        self._broker = broker
+        self._state = state
+
+    async def on_partitions_revoked(self, revoked: Iterable[Any]) -> None:
+        await self._broker._on_revoke(self._state, list(revoked))
+
+    async def on_partitions_assigned(self, assigned: Iterable[Any]) -> None:
+        self._broker._on_assign(self._state, list(assigned))
+
+
+class AIOKafkaBroker:
+    """The :class:`~msgpatterns.aio.base.AsyncBroker` protocol on Kafka (aiokafka).
+
+    Args:
+        url: ``host:port[,host:port]`` or a ``kafka://`` URL.
+        consumer_config: extra ``AIOKafkaConsumer`` keyword arguments
+            (``group_id``, ``enable_auto_commit`` and the listener are set here).
+        producer_config: extra ``AIOKafkaProducer`` keyword arguments.
+        retry_suffix: suffix of the retry topic (``<topic>.retry``).
+        dead_letter_suffix: suffix of the dead-letter topic (``<topic>.DLT``).
+        delivery_timeout: seconds to wait for a produced record's acknowledgement (and
+            for a group to be left on close).
+        connect_timeout: seconds a client may take to reach the cluster.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        consumer_config: Mapping[str, Any] | None = None,
+        producer_config: Mapping[str, Any] | None = None,
+        retry_suffix: str = ".retry",
+        dead_letter_suffix: str = ".DLT",
+        delivery_timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        if not isinstance(url, str) or not url:
+            raise ConfigurationError("AIOKafkaBroker needs 'host:port' or a kafka:// URL, "
+                                     f"got {url!r}")
+        self.bootstrap_servers = url.split("://", 1)[-1]
+        self.delivery_timeout = seconds(delivery_timeout) or 0.0
+        self.connect_timeout = seconds(connect_timeout) or 0.0
+        self.retry_suffix = retry_suffix
+        self.dead_letter_suffix = dead_letter_suffix
+        self._consumer_config = dict(consumer_config or {})
+        self._producer_config = dict(producer_config or {})
+        self._producer: Any = None
+        self._starting = asyncio.Lock()
+        self._groups: dict[str, GroupState] = {}
+        self._commits: dict[str, asyncio.Task[None]] = {}  # group -> commit in flight
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+        self._close_done = asyncio.Event()
+
+    async def __aenter__(self) -> AIOKafkaBroker:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- names ----------------------------------------------------------------------
+
+    def retry_topic(self, topic: str) -> str:
+        return topic + self.retry_suffix
+
+    def dead_letter_topic(self, topic: str) -> str:
+        return topic + self.dead_letter_suffix
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @contextlib.asynccontextmanager
+    async def _operation(self, what: str) -> AsyncIterator[None]:
+        """Count an operation in progress; BrokerClosed once closed; aiokafka errors
+        become the library's."""
+        if self._closed:
+            raise BrokerClosed(f"AIOKafkaBroker.{what}: the broker is closed")
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        except errors.KafkaError as exc:
+            raise _error(exc, what) from exc
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+
+    async def _started(self, client: Any, what: str) -> Any:
+        """Start an aiokafka client within ``connect_timeout``."""
+        try:
+            await asyncio.wait_for(client.start(), self.connect_timeout)
+        except (errors.KafkaError, TimeoutError) as exc:
+            with contextlib.suppress(Exception):
+                await client.stop()
+            raise BrokerUnavailable(
+                f"Kafka at {self.bootstrap_servers} did not answer the {what} within "
+                f"{self.connect_timeout:g}s ({_error(exc, 'connect')}); check the address "
+                "and that the cluster is up") from exc
+        return client
+
+    async def _ready_producer(self) -> Any:
+        if self._producer is None:
+            async with self._starting:
+                if self._producer is None:
+                    producer = aiokafka.AIOKafkaProducer(
+                        bootstrap_servers=self.bootstrap_servers,
+                        enable_idempotence=True,
+                        request_timeout_ms=max(1000, int(self.delivery_timeout * 1000)),
+                        **self._producer_config)
+                    self._producer = await self._started(producer, "producer")
+        return self._producer
+
+    # -- AsyncBroker protocol ---------------------------------------------------------
+
+    def now(self) -> float:
+        return time.time()
+
+    async def publish(self, topic: str, body: Any, *, key: str | None = None,
+                      headers: Mapping[str, str] | None = None) -> str:
+        """Produce to ``topic`` and wait for the cluster's acknowledgement; returns the
+        message id (kept in a header, stable across retries)."""
+        async with self._operation("publish"):
+            message_id = uuid.uuid4().hex
+            await self._produce(topic, body_bytes(body), key,
+                                codec.wire_headers(headers, message_id=message_id))
+            return message_id
+
+    async def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
+        """Produce ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing`) to
+        ``topic`` and await every acknowledgement together; the ids in order. Not
+        atomic: :class:`~msgpatterns.brokers.PartialPublish` says which were
+        acknowledged when some were not."""
+        async with self._operation("publish_many"):
+            producer = await self._ready_producer()
+            batch = [(uuid.uuid4().hex, item) for item in outgoing(items)]
+            futures: list[Any] = []
+            first: BaseException | None = None
+            try:
+                for message_id, item in batch:
+                    futures.append(await producer.send(
+                        topic, body_bytes(item.body),
+                        key=None if item.key is None else item.key.encode("utf-8"),
+                        headers=_wire(codec.wire_headers(item.headers,
+                                                         message_id=message_id))))
+            except errors.KafkaError as exc:
+                first = _error(exc, f"produce to {topic}")
+            results: list[Any] = []
+            if futures:
+                done = asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True),
+                                        self.delivery_timeout)
+                try:
+                    results = await done
+                except TimeoutError as exc:
+                    first = first or _error(exc, f"produce to {topic}")
+                    results = [f.exception() if f.done() and not f.cancelled() else exc
+                               for f in futures]
+            ids = [message_id if i < len(results) and not isinstance(results[i],
+                                                                     BaseException)
+                   else None for i, (message_id, _) in enumerate(batch)]
+            if first is None and all(ids):
+                return [i for i in ids if i is not None]
+            problem = first or next(r for r in results if isinstance(r, BaseException))
+            raise failed(topic, ids, problem) from problem
+
+    async def subscribe(self, topic: str, group: str) -> None:
+        """Join ``group`` on ``topic`` now (a fetch does it otherwise)."""
+        async with self._operation("subscribe"):
+            await self._group(group, (topic,))
+
+    async def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
+                    timeout: float = 0.0) -> list[Message]:
+        """Up to ``max_messages`` records of ``topics`` and their due retries, waiting
+        up to ``timeout`` seconds. First starts committing (in the background, one commit
+        in flight per group) what became safe to commit.
+
+        A fetch in progress when :meth:`close` begins returns at once, and nothing it
+        read after that is handed out or counted (it stays uncommitted)."""
+        if isinstance(topics, str):
+            topics = [topics]
+        async with self._operation("fetch"):
+            state = await self._group(group, tuple(topics))
+            self._commit_behind(group, state)
+            give_up = time.monotonic() + timeout
+            while True:
+                now = self.now()
+                self._resume_due(state, now)
+                wait = state.wait(now, max(0.0, min(give_up - time.monotonic(),
+                                                    _FETCH_SLICE)))
+                batch = await state.consumer.getmany(timeout_ms=int(wait * 1000),
+                                                     max_records=max_messages)
+                if self._closed:
+                    return []  # close() began: hand out nothing read since
+                out, failure = await self._accept_batch(state, group, batch, self.now())
+                if failure is not None and not out:
+                    raise failure
+                if out or time.monotonic() >= give_up:
+                    return out
+
+    async def ack(self, message: Message) -> None:
+        """Mark the record settled; the next fetch (or :meth:`close`) commits the
+        contiguous settled prefix."""
+        async with self._operation("ack"):
+            self._settled(self._receipt(message))
+
+    async def nack(self, message: Message, delay: float = 0.0) -> None:
+        """Produce the retry (original payload, current headers, ``attempt + 1``, due
+        in ``delay`` seconds) to ``<topic>.retry``; once acknowledged, the record is
+        settled."""
+        async with self._operation("nack"):
+            r = self._receipt(message)
+            if self._stale(r):
+                log.debug("nack of %s ignored: its partition was revoked", message.id)
+                return
+            wire = codec.redelivery_headers(message, group=r.group,
+                                            due_at=self.now() + delay)
+            await self._produce(self.retry_topic(message.topic),
+                                body_bytes(message.raw_body), message.key, wire)
+            self._settled(r)
+
+    async def dead_letter(self, message: Message, record: DeadLetter) -> None:
+        """Produce the record to ``<topic>.DLT``; once acknowledged, it is settled."""
+        async with self._operation("dead_letter"):
+            r = self._receipt(message)
+            if self._stale(r):
+                log.debug("dead letter of %s ignored: its partition was revoked",
+                          message.id)
+                return
+            await self._produce(self.dead_letter_topic(message.topic),
+                                codec.dead_letter_body(record), message.key,
+                                codec.dead_letter_headers(record))
+            self._settled(r)
+
+    async def commit(self) -> dict[tuple[str, str, int], int]:
+        """Commit every group's settled prefix now; the committed position of every
+        assigned partition that has one, by ``(group, topic, partition)``."""
+        async with self._operation("commit"):
+            out: dict[tuple[str, str, int], int] = {}
+            for group, state in list(self._groups.items()):
+                running = self._commits.pop(group, None)
+                if running is not None:
+                    await asyncio.wait([running])
+                await self._commit(state, strict=True)
+                for (topic, partition), tracker in state.trackers.items():
+                    if tracker.committed is not None:
+                        out[(group, topic, partition)] = tracker.committed
+            return out
+
+    async def close(self) -> None:
+        """Wait for operations in progress, commit the settled prefixes, leave the
+        groups and stop the producer (flushing it). Everything is stopped even when a
+        step fails; the first failure is then raised as a
+        :class:`~msgpatterns.errors.BrokerError`. Idempotent: a second call waits for
+        the first."""
+        if self._closed:
+            await self._close_done.wait()
+            return
+        self._closed = True
+        try:
+            try:
+                await asyncio.wait_for(self._idle.wait(),
+                                       self.delivery_timeout + _FETCH_SLICE)
+            except TimeoutError:
+                log.warning("AIOKafkaBroker.close: operations still running after %gs",
+                            self.delivery_timeout)
+            failures: list[BaseException] = []
+            for group, state in list(self._groups.items()):
+                running = self._commits.pop(group, None)
+                if running is not None:
+                    await asyncio.wait([running])  # its outcome is logged, not raised
+                try:
+                    await self._commit(state, strict=True)
+                except BaseException as exc:
+                    failures.append(exc)
+                await self._stop(state.consumer, "leave its group", failures)
+            self._groups.clear()
+            if self._producer is not None:
+                await self._stop(self._producer, "flush", failures)
+            if failures:
+                first = failures[0]
+                if isinstance(first, BrokerError):
+                    raise first
+                raise _error(first, "close") from first
+        finally:
+            self._close_done.set()
+
+    async def _stop(self, client: Any, what: str, failures: list[BaseException]) -> None:
+        try:
+            await asyncio.wait_for(client.stop(), self.delivery_timeout)
+        except TimeoutError:
+            failures.append(BrokerUnavailable(
+                f"a Kafka client did not {what} within {self.delivery_timeout:g}s"))
+        except Exception as exc:
+            failures.append(exc)
+
+    # -- internals --------------------------------------------------------------------
+
+    async def _group(self, group: str, topics: tuple[str, ...]) -> GroupState:
+        state = self._groups.get(group)
+        if state is not None and state.topics == topics:
+            return state
+        if state is None:
+            consumer = aiokafka.AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap_servers,
+                auto_offset_reset="earliest",
+                **self._consumer_config,
+                group_id=group,
+                enable_auto_commit=False,
+            )
+            state = GroupState(await self._started(consumer, "consumer"))
+            self._groups[group] = state
+        state.topics = topics
+        state.retry_topics = {self.retry_topic(t): t for t in topics}
+        wanted = [*topics, *state.retry_topics]
+        producer = await self._ready_producer()
+        for topic in wanted:  # a cluster that auto-creates topics creates them now
+            with contextlib.suppress(errors.KafkaError, TimeoutError, asyncio.TimeoutError):
+                await asyncio.wait_for(producer.partitions_for(topic), self.connect_timeout)
+        state.consumer.subscribe(topics=wanted, listener=_Rebalance(self, state))
+        return state
+
+    async def _accept_batch(self, state: GroupState, group: str, batch: Mapping[Any, list[Any]],
+                            now: float) -> tuple[list[Message], BrokerError | None]:
+        """The messages of a ``getmany`` batch, partition by partition; a partition
+        whose record could not be settled at fetch time is read again from it."""
+        out: list[Message] = []
+        failure: BrokerError | None = None
+        for tp, records in batch.items():
+            for record in records:
+                try:
+                    message, go_on = await self._accept(state, group, record, now)
+                except BrokerError as exc:
+                    failure = failure or exc
+                    with contextlib.suppress(Exception):
+                        state.consumer.seek(tp, record.offset)
+                    break
+                if message is not None:
+                    out.append(message)
+                if not go_on:
+                    break  # the partition was paused at this record
+        return out, failure
+
+    async def _accept(self, state: GroupState, group: str, record: Any,
+                      now: float) -> tuple[Message | None, bool]:
+        """The message for ``record`` (or None) and whether the rest of its partition's
+        batch may be read."""
+        where = (record.topic, record.partition)
+        if where in state.paused:
+            return None, False
+        tracker = state.tracker(where)
+        view = _view(record)
+        verdict = judge(view, state.retry_topics, group, now)
+        if verdict.action == "reject":
+            assert verdict.problem is not None
+            letter, unreadable = malformed_letter(view, verdict.topic, group,
+                                                  verdict.problem, now)
+            log.warning("%s: %s %s dead-lettered: %s", group, verdict.topic, view.position,
+                        verdict.problem)
+            await self._produce(self.dead_letter_topic(verdict.topic), view.value,
+                                letter.message.key, codec.dead_letter_headers(letter),
+                                extra=unreadable)
+        if verdict.action == "wait":
+            assert verdict.due_at is not None
+            tp = aiokafka.TopicPartition(*where)
+            state.consumer.seek(tp, record.offset)
+            state.consumer.pause(tp)
+            state.pause(where, verdict.due_at)
+            return None, False
+        tracker.delivered(record.offset)
+        if verdict.action != "deliver":  # rejected (dead-lettered) or another group's
+            tracker.settled(record.offset)
+            return None, True
+        message = verdict.message
+        assert message is not None
+        message.receipt = KafkaReceipt(group, record.topic, record.partition, record.offset,
+                                   tracker.epoch)
+        return message, True
+
+    def _resume_due(self, state: GroupState, now: float) -> None:
+        due = state.due(now)
+        if due:
+            state.consumer.resume(*(aiokafka.TopicPartition(*w) for w in due))
+
+    def _on_assign(self, state: GroupState, partitions: list[Any]) -> None:
+        state.assigned((tp.topic, tp.partition) for tp in partitions)
+
+    async def _on_revoke(self, state: GroupState, partitions: list[Any]) -> None:
+        """Commit the revoked partitions' settled prefix and forget them: their
+        in-flight messages' settlements become no-ops."""
+        positions = state.revoked((tp.topic, tp.partition) for tp in partitions)
+        offsets = {aiokafka.TopicPartition(*where): o for where, o in positions.items()}
+        if offsets:
+            try:
+                await state.consumer.commit(offsets)
+            except errors.KafkaError as exc:
+                log.warning("commit on revoke failed (%r); those records will be "
+                            "redelivered", exc)
+
+    def _commit_behind(self, group: str, state: GroupState) -> None:
+        """Commit the moved prefixes in the background (one commit in flight per group,
+        like the sync adapter's asynchronous commit): a fetch does not wait for it."""
+        running = self._commits.get(group)
+        if running is None or running.done():
+            self._commits[group] = asyncio.get_running_loop().create_task(
+                self._commit(state))
+
+    async def _commit(self, state: GroupState, *, strict: bool = False) -> None:
+        """Commit the settled prefixes that moved; a failure is logged and retried on
+        the next fetch, or raised when ``strict``."""
+        moved = state.moved()
+        if not moved:
+            return
+        try:
+            await state.consumer.commit(
+                {aiokafka.TopicPartition(*where): o for where, o in moved.items()})
+        except Exception as exc:  # in the background too: never an unretrieved error
+            state.forget_commits(moved)
+            if strict:
+                if isinstance(exc, errors.KafkaError):
+                    raise _error(exc, "offset commit") from exc
+                raise
+            log.warning("offset commit failed (%r); retrying on the next fetch", exc)
+
+    def _tracker(self, r: KafkaReceipt) -> OffsetTracker | None:
+        state = self._groups.get(r.group)
+        return None if state is None else state.current(r)
+
+    def _stale(self, r: KafkaReceipt) -> bool:
+        return self._tracker(r) is None
+
+    def _settled(self, r: KafkaReceipt) -> None:
+        tracker = self._tracker(r)
+        if tracker is not None:
+            tracker.settled(r.offset)
+
+    async def _produce(self, topic: str, value: bytes | None, key: str | None,
+                       headers: Mapping[str, str],
+                       extra: Sequence[tuple[str, Any]] = ()) -> None:
+        """Produce one record (``extra``: raw header pairs appended as they are) and
+        wait for the cluster's acknowledgement."""
+        producer = await self._ready_producer()
+        try:
+            await asyncio.wait_for(producer.send_and_wait(
+                topic, value, key=None if key is None else key.encode("utf-8"),
+                headers=[*_wire(headers), *extra]), self.delivery_timeout)
+        except (errors.KafkaError, TimeoutError) as exc:
+            raise _error(exc, f"produce to {topic}") from exc
+
+    @staticmethod
+    def _receipt(message: Message) -> KafkaReceipt:
+        receipt = message.receipt
+        if not isinstance(receipt, KafkaReceipt):
+            raise ValueError(f"{message!r} was not delivered by an AIOKafkaBroker")
+        return receipt
+
+    def __repr__(self) -> str:
+        return f"AIOKafkaBroker({self.bootstrap_servers!r})"
+
+
+#: The default asyncio Kafka adapter (``msgpatterns.aio.AsyncKafkaBroker``).
+AsyncKafkaBroker = AIOKafkaBroker
