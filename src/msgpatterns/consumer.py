@@ -24,42 +24,44 @@ Guarantees:
 
 from __future__ import annotations
 
-import enum
 import logging
 import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from msgpatterns import headers as h
 from msgpatterns._callables import require_sync_callable
 from msgpatterns.brokers.base import Broker, SupportsAckMany
-from msgpatterns.brokers.virtual_time import jump_to_next_due
-from msgpatterns.deadletter import DeadLetter, DeadLetterStore, format_traceback
+from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
 from msgpatterns.errors import (
-    AckTimeout,
     BrokerClosed,
     ConfigurationError,
     MalformedMessage,
-    NeedRetry,
     PartialFailure,
     describe,
-    printable,
     seconds,
 )
 from msgpatterns.idempotency.batch import BatchGuard, Entry, guard_of
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.ordering.executor import OrderedExecutor
-from msgpatterns.retry import Action, RetryPolicy, Verdict
-from msgpatterns.settlement import failure_headers
-from msgpatterns.timer import TimerHandle, TimingWheel
+from msgpatterns.retry import RetryPolicy
+from msgpatterns.runtime.driver import DriverBase
+from msgpatterns.runtime.gate import KeyGate, ordering_key
+from msgpatterns.runtime.lifecycle import Released
+from msgpatterns.runtime.lifecycle import State as _State
+from msgpatterns.runtime.options import duration as _options_duration
+from msgpatterns.runtime.options import topic_list
+from msgpatterns.runtime.rounds import Claimed as _Claimed
+from msgpatterns.runtime.rounds import Round as _Round
+from msgpatterns.runtime.settler import Settled, run_sync
+from msgpatterns.runtime.stats import ConsumerStats
+from msgpatterns.timer import TimingWheel
 
 if TYPE_CHECKING:
     from msgpatterns.observability.stats import Health
@@ -73,44 +75,17 @@ Handler = Callable[[Message], Any]
 BatchHandler = Callable[[list[Message]], Any]
 
 
-class _Released(Exception):
-    """Internal: the consumer is stopping and hands the message back unprocessed."""
+#: Former private names, kept for code that imported them.
+_Released = Released
+_KeyGate = KeyGate
 
 
 #: Per thread: the Consumer whose worker, pump or lane thread this is (stop() from
 #: one of them only requests the stop: waiting there would wait for itself).
 _own_thread = threading.local()
 
-#: Delay of a fallback redelivery when the retry policy could not decide.
-_FALLBACK_DELAY = 1.0
 
-
-@dataclass
-class ConsumerStats:
-    """What the consumer did so far."""
-
-    fetched: int = 0
-    acked: int = 0
-    failed: int = 0
-    retried_locally: int = 0
-    redelivered: int = 0
-    dead_lettered: int = 0
-    ack_timeouts: int = 0
-    released: int = 0
-    broker_errors: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class Consumer:
+class Consumer(DriverBase):
     """Runs ``handler`` for every message of ``topics`` in consumer ``group``.
 
     Args:
@@ -163,6 +138,8 @@ class Consumer:
     To stop the consumer from a handler, call :meth:`stop` there.
     """
 
+    broker: Broker
+
     def __init__(
         self,
         broker: Broker,
@@ -191,15 +168,13 @@ class Consumer:
         require_sync_callable(handler, what="handler", where="Consumer")
         if decoder is not None:
             require_sync_callable(decoder, what="decoder", where="Consumer")
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise ConfigurationError(
-                f"Consumer retry must be a RetryPolicy or None, got {type(retry).__name__}"
-            )
-        if dead_letters is not None and not callable(getattr(dead_letters, "put", None)):
-            raise ConfigurationError(
-                "Consumer dead_letters must be a DeadLetterStore (with put(record)) or "
-                f"None, got {type(dead_letters).__name__}"
-            )
+        self._configure(
+            "Consumer", broker=broker, handler=handler, topics=topics, group=group,
+            retry=retry, ordered=ordered, max_in_flight=max_in_flight,
+            ack_timeout=ack_timeout, decoder=decoder, dead_letters=dead_letters,
+            poll_timeout=poll_timeout, shutdown_timeout=shutdown_timeout,
+            fetch_batch=fetch_batch, name=name, default_name=f"msgpatterns-{group}",
+            counts={"workers": workers}, rebind=self._on_settled, log=log)
         if not isinstance(batch, bool):
             raise ConfigurationError(f"Consumer batch must be True or False, got {batch!r}")
         if batch and ordered:
@@ -208,17 +183,6 @@ class Consumer:
                 "mode runs each key's messages one at a time; use a per-message handler "
                 "with ordered=True (an @idempotent one still claims per batch)"
             )
-        if not isinstance(group, str) or not group:
-            raise ConfigurationError(f"Consumer group must be a non-empty string, got {group!r}")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ConfigurationError(f"Consumer name must be a non-empty string, got {name!r}")
-        for option, value in (("workers", workers), ("max_in_flight", max_in_flight),
-                              ("fetch_batch", fetch_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(
-                    f"Consumer {option} must be an int of at least 1, got {value!r}"
-                )
-        self.broker = broker
         self.handler: Callable[[Any], Any] = handler
         self.batch = batch
         #: The batch claims of an @idempotent handler (None: plain, or one transaction
@@ -232,49 +196,23 @@ class Consumer:
         #: start()).
         self._plain_acks = False
         self._ack_many = broker.ack_many if isinstance(broker, SupportsAckMany) else None
-        self.topics = _topic_list(topics)
-        self.group = group
         self.workers = workers
-        self.retry = retry if retry is not None else RetryPolicy()
-        self.ordered = bool(ordered)
-        self.max_in_flight = max_in_flight
-        self.ack_timeout = _duration(ack_timeout, "ack_timeout") or 0.0
-        self.decoder = decoder
-        self.dead_letters = dead_letters
-        poll = _duration(poll_timeout, "poll_timeout")
-        if not poll:
-            raise ConfigurationError(
-                f"Consumer poll_timeout must be positive, got {poll_timeout!r}"
-            )
-        self.poll_timeout: float = poll
-        self.shutdown_timeout = _duration(shutdown_timeout, "shutdown_timeout")
-        self.fetch_batch = fetch_batch
-        self.name = name or f"msgpatterns-{group}"
-        self.handler_name = getattr(handler, "__qualname__", None) or repr(handler)
-        self.stats = ConsumerStats()
 
         self._lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
         self._cond = threading.Condition(self._lock)
         # messages to run (and, for batch claims, claimed messages to run: _Claimed)
         self._ready: deque[Message | _Claimed] = deque()
-        # message -> when it was fetched (monotonic; a retry copy keeps its original's)
-        self._in_flight: dict[Message, float] = {}
         self._last_fetch: tuple[float, bool] | None = None  # (time.time(), succeeded)
-        self._retry_timers: dict[Message, TimerHandle] = {}
-        self._held: dict[Message, float] = {}  # ordered delayed retries: due (broker clock)
         self._fetching = False
         self._waiting = 0
         self._state = _State.NEW
-        self._until_idle = False
-        self._settled_count = 0
         self._threads: list[threading.Thread] = []
         self._stop_requested = threading.Event()
         self._stopping = threading.Lock()  # one stop() at a time finishes the stop
-        # The wheel (and the deadline tracker on it) is made per start() and stopped by
-        # stop(): a stopped consumer leaves no timer thread behind.
+        # The wheel (the ack deadlines and the retry timers on it) is made per start()
+        # and stopped by stop(): a stopped consumer leaves no timer thread behind.
         self._wheel = self._new_wheel()
         self._deadlines: DeadlineTracker[Message] | None = None
-        self._gate: _KeyGate | None = None
         self._lanes: OrderedExecutor | None = None
 
     def _new_wheel(self) -> TimingWheel:
@@ -296,10 +234,10 @@ class Consumer:
                 DeadlineTracker(self._wheel, self.ack_timeout, self._deadline)
                 if self.ack_timeout > 0 else None
             )
+            self._fresh_parts(self._wheel)
             if self.ordered:
                 # One thread fetches and admits; handlers run on the executor's lanes,
                 # each key always on the lane that owns its logic partition.
-                self._gate = _KeyGate()
                 self._lanes = OrderedExecutor(self.workers, name=f"{self.name}-ordered")
                 self._threads = [
                     threading.Thread(target=self._pump, name=f"{self.name}-pump", daemon=True)
@@ -354,20 +292,17 @@ class Consumer:
                 if self._fetching:  # its messages are handed back; bounded by poll_timeout
                     self._wait(self.poll_timeout)
                     continue
-                if not self._in_flight:
+                if not self._slots:
                     break
                 left = None if give_up is None else give_up - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._wait(left)
-            leftovers = list(self._in_flight)
+            leftovers = list(self._slots.held)
             self._ready.clear()
-            self._held.clear()
+            self._scheduler.clear()
         for message in leftovers:
-            timer = self._retry_timers.pop(message, None)
-            if timer is not None:
-                timer.cancel()
-            message.expire(_Released("consumer stopped"))
+            message.expire(Released("consumer stopped"))
         with self._cond:
             self._state = _State.STOPPED
             self._ready.clear()
@@ -381,7 +316,6 @@ class Consumer:
         if lanes is not None:
             lanes.shutdown(wait=True)  # queued tasks of released messages run no handler
         self._wheel.stop()
-        self._retry_timers.clear()
         self._stop_requested.set()
         return not leftovers
 
@@ -435,11 +369,6 @@ class Consumer:
         log.info("%s: signal %s, shutting down", self.name, signum)
         self._stop_requested.set()
 
-    @property
-    def in_flight(self) -> int:
-        """Messages fetched and not yet settled."""
-        return len(self._in_flight)
-
     # -- worker loop ----------------------------------------------------------------
 
     def _wait(self, timeout: float | None = None) -> None:
@@ -483,7 +412,7 @@ class Consumer:
                     if admitted:
                         self._execute_round_safely(admitted, lanes)
                 elif gate.admit(message):
-                    lanes.submit(_KeyGate.key(message), self._execute_on_lane, message)
+                    lanes.submit(ordering_key(message), self._execute_on_lane, message)
         finally:
             lanes.shutdown(wait=False)
 
@@ -509,23 +438,23 @@ class Consumer:
                     if self._state is _State.STOPPED:
                         return None
                     if self._state is _State.STOPPING:
-                        if not self._in_flight:
+                        if not self._slots:
                             return None
                         self._wait()
                         continue
-                    free = self.max_in_flight - len(self._in_flight)
+                    free = self.max_in_flight - len(self._slots)
                     if self._fetching:
                         self._wait(self.poll_timeout)
                         continue
                     if free <= 0:
                         # Full: only a held retry coming due can free a slot.
-                        if not (self._until_idle and self._nothing_active()
+                        if not (self._until_idle and self._slots.nothing_active()
                                 and self._jump(can_fetch=False)):
                             self._wait(self.poll_timeout)
                         continue
                     self._fetching = True
                     until_idle = self._until_idle
-                    generation = self._settled_count
+                    generation = self._slots.settled
                     break
             messages = self._fetch(min(free, self.fetch_batch), 0.0 if until_idle else None)
             with self._cond:
@@ -538,7 +467,7 @@ class Consumer:
                         for message in messages:
                             message.bind(self._on_settled)
                         self.stats.fetched += len(messages)
-                        self._in_flight.update(dict.fromkeys(messages, time.monotonic()))
+                        self._slots.take(messages)
                         if _obs.listener is not None:
                             self._report({"fetched": len(messages)})
                         self._ready.extend(messages[1:])
@@ -551,11 +480,11 @@ class Consumer:
             with self._cond:
                 if not until_idle or self._state is not _State.RUNNING or self._ready:
                     continue
-                if not self._nothing_active():
-                    if self._settled_count == generation:
+                if not self._slots.nothing_active():
+                    if self._slots.settled == generation:
                         self._wait(self.poll_timeout)
                 elif not self._jump(can_fetch=True):
-                    if self._in_flight:  # holds due later in real time
+                    if self._slots:  # retries due later in real time
                         self._wait(self.poll_timeout)
                     else:
                         self._finish_idle()
@@ -564,14 +493,7 @@ class Consumer:
     def _hand_back(self, messages: list[Message]) -> None:
         """A fetch returned after stop() was called: nack its messages unprocessed,
         then let stop() go on."""
-        errors = 0
-        for message in messages:
-            try:
-                self.broker.nack(message, 0.0)
-            except Exception:
-                errors += 1
-                log.exception("%s: handing message %s back failed", self.name, message.id,
-                              extra=self._log_extra(message))
+        errors = run_sync(self._settler.hand_back(messages), self.broker, None)
         with self._cond:
             self.stats.fetched += len(messages)
             self.stats.released += len(messages) - errors
@@ -582,41 +504,24 @@ class Consumer:
             self._report({"fetched": len(messages), "released": len(messages) - errors,
                           "broker_errors": errors})
 
-    def _nothing_active(self) -> bool:
-        """Lock held: every in-flight message is parked behind its key or held for a
-        delayed retry, so no handler or ack can change what becomes due."""
-        parked = self._gate.parked if self._gate is not None else 0
-        return len(self._in_flight) == parked + len(self._held)
-
     def _jump(self, *, can_fetch: bool) -> bool:
         """Lock held, nothing active: move virtual time to the next moment something can
-        run - a held retry coming due, or (when a slot is free to fetch it) the broker's
-        next due delivery - and release the holds now due. True when that made progress
-        possible; False when nothing could move (the caller then waits or finishes)."""
-        try:
-            fetchable = jump_to_next_due(self.broker, self.topics, self.group, self._held,
-                                         can_fetch=can_fetch)
-        except Exception:  # a closed broker, a refused jump: wait instead of dying
-            self.stats.broker_errors += 1
-            if _obs.listener is not None:
-                self._report({"broker_errors": 1})
-            log.exception("%s: moving virtual time failed", self.name)
+        run (:func:`msgpatterns.runtime.idle.jump`) and queue the retries now due. True
+        when that made progress possible; False when nothing could move (the caller
+        then waits or finishes)."""
+        moved = self._move_time(can_fetch=can_fetch)
+        if moved is None:
             return False
-        if fetchable is None:
-            return False
-        released = self._release_due_holds()
-        return released or fetchable
+        fetchable, due = moved
+        self._ready.extend(due)
+        return bool(due) or fetchable
 
-    def _release_due_holds(self) -> bool:
-        now = self.broker.now()
-        due = [m for m, at in self._held.items() if at <= now]
-        for message in due:
-            del self._held[message]
-            timer = self._retry_timers.pop(message, None)
-            if timer is not None:
-                timer.cancel()
-            self._ready.append(message)
-        return bool(due)
+    def _retry_due(self, message: Message) -> None:
+        """A retry's timer fired (timer thread): queue it to run."""
+        with self._cond:
+            if self._scheduler.take(message):
+                self._ready.appendleft(message)
+                self._wake()
 
     def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
@@ -829,7 +734,7 @@ class Consumer:
             self._run_claimed(guard, batch, runs[0])
         else:
             for entry in runs:
-                lanes.submit(_KeyGate.key(entry.message), self._run_claimed_on_lane, guard,
+                lanes.submit(ordering_key(entry.message), self._run_claimed_on_lane, guard,
                              batch, entry)
 
     def _run_claimed_on_lane(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
@@ -978,11 +883,7 @@ class Consumer:
             acked = self._ack_each(messages)
         if acked:
             with self._lock:
-                self.stats.acked += len(acked)
-                pop = self._in_flight.pop
-                for message in acked:
-                    pop(message, None)
-                self._settled_count += len(acked)
+                self._slots.free_acked(acked)
                 self._wake()
 
     def _ack_each(self, messages: list[Message]) -> list[Message]:
@@ -1000,11 +901,8 @@ class Consumer:
 
     def _ack_failed(self, message: Message, failure: Exception) -> None:
         """The ack of a success raised: settle it another way, count, free the slot."""
-        counted = ["broker_errors"]
-        outcome = self._settle_otherwise(message, None, Action.ACK, failure)
-        if outcome is not None:
-            counted.append(outcome)
-        self._release(message, None, 0.0, False, counted)
+        self._free(message, run_sync(self._settler.ack_failed(message, failure),
+                                     self.broker, self.dead_letters))
 
     # -- telemetry, health and log context (no cost while no listener is installed) --
 
@@ -1017,6 +915,10 @@ class Consumer:
                           extra=self._log_extra(message))
             return None
 
+    def _count(self, counts: Mapping[str, int], message: Message | None = None) -> None:
+        if _obs.listener is not None:
+            self._report(counts, message)
+
     def _report(self, counts: Mapping[str, int], message: Message | None = None) -> None:
         """Report ``counts`` (ConsumerStats fields just added to) to the listener."""
         listener = _obs.listener
@@ -1025,8 +927,7 @@ class Consumer:
 
     def _log_extra(self, message: Message) -> dict[str, Any]:
         """The ``extra`` fields of every log line about ``message``."""
-        return {"message_id": message.id, "topic": message.topic, "group": self.group,
-                "attempt": message.attempt}
+        return self._settler.extra(message)
 
     def health(self) -> Health:
         """A snapshot of this consumer's health (cheap: no broker call unless the
@@ -1036,8 +937,8 @@ class Consumer:
         now = time.monotonic()
         with self._cond:
             state = self._state
-            in_flight = len(self._in_flight)
-            oldest = min(self._in_flight.values(), default=None)
+            in_flight = len(self._slots)
+            oldest = min(self._slots.held.values(), default=None)
             last = self._last_fetch
         threads_alive = all(t.is_alive() for t in self._threads)
         connected = getattr(type(self.broker), "connected", None)
@@ -1060,23 +961,12 @@ class Consumer:
             broker_connected=broker_connected,
         )
 
-    def _deadline(self, message: Message) -> None:
-        error = AckTimeout(
-            f"message {message.id} not acked within {self.ack_timeout:g}s "
-            f"by handler {self.handler_name}"
-        )
-        if message.expire(error):
-            self.stats.ack_timeouts += 1
-            if _obs.listener is not None:
-                self._report({"ack_timeouts": 1}, message)
-            log.warning("%s; failing the delivery", error, extra=self._log_extra(message))
-
     def _on_settled(self, message: Message, error: BaseException | None) -> None:
         """Act on a settled delivery; runs once, on whichever thread settled it.
 
-        Whatever fails here (the retry policy, the broker call, the dead-letter record)
-        the delivery is settled another way (:meth:`_settle_otherwise`), and the slot is
-        always freed."""
+        The settler (:mod:`msgpatterns.runtime.settler`) turns the outcome into broker
+        calls; whatever fails there, the delivery is settled another way, and the slot
+        is always freed."""
         deadlines = self._deadlines
         if deadlines is not None:
             deadlines.untrack(message)
@@ -1088,328 +978,35 @@ class Consumer:
                 self._ack_failed(message, failure)
                 return
             with self._lock:
-                self.stats.acked += 1
-                self._in_flight.pop(message, None)
-                self._settled_count += 1
+                self._slots.free_acked((message,))
                 self._wake()
             return
-        retry: Message | None = None
-        delay = 0.0
-        hold = False
-        counted: list[str] = []  # stats to add, under the lock, in _release
-        action: Action | None = None
+        settled = Settled(["broker_errors"])
         try:
-            if isinstance(error, _Released):
-                counted.append("released")
-                self.broker.nack(message, 0.0)
-                return
-            try:
-                verdict = self.retry.decide(message, error)
-            except Exception:
-                verdict = self._fallback_verdict(message, error)
-            action = verdict.action
-            if action is Action.ACK:
-                self.broker.ack(message)
-                counted.append("acked")
-                return
-            assert error is not None
-            counted.append("failed")
-            self._log_failure(message, error, action, verdict.delay)
-            delay = verdict.delay
-            if action is Action.RETRY_LOCALLY:
-                retry = message.copy_for_retry(local=True)
-                counted.append("retried_locally")
-            elif action is Action.REDELIVER:
-                self._record_failure(message, error)
-                if self._gate is not None:
-                    # Ordered: the retry stays here and keeps its key; going back to the
-                    # broker would let later messages of the key overtake it.
-                    retry = message.copy_for_retry(attempt=message.attempt + 1)
-                    retry.headers[h.ATTEMPT] = str(retry.attempt)
-                    hold = True
-                else:
-                    self.broker.nack(message, delay)
-                counted.append("redelivered")
-            else:
-                self._dead_letter(message, error, verdict.reason)
-                counted.append("dead_lettered")
-        except Exception as failure:
-            counted.append("broker_errors")
-            retry = None
-            hold = False
-            if not isinstance(error, _Released):
-                outcome = self._settle_otherwise(message, error, action, failure)
-                if outcome is not None:
-                    counted.append(outcome)
+            settled = run_sync(self._settler.settle(message, error), self.broker,
+                               self.dead_letters)
         finally:
             listener = _obs.listener
-            if listener is not None:  # before _release: stop() waits for the slot
-                _obs.report(listener.delivery_settled, self, message, counted, error)
-            self._release(message, retry, delay, hold, counted)
+            if listener is not None:  # before _free: stop() waits for the slot
+                _obs.report(listener.delivery_settled, self, message, settled.counted,
+                            error)
+            self._free(message, settled)
 
-    def _fallback_verdict(self, message: Message, error: BaseException | None) -> Verdict:
-        """The retry policy itself failed: a safe verdict instead - an ack for a success,
-        a dead letter once ``max_attempts`` is reached, else a redelivery after a short
-        delay."""
-        log.exception("%s: the retry policy failed on message %s", self.name, message.id,
-                      extra=self._log_extra(message))
-        if error is None:
-            return Verdict(Action.ACK)
-        name = type(error).__name__
-        if message.attempt >= self.retry.max_attempts:
-            return Verdict(Action.DEAD_LETTER, reason=f"gave up after "
-                           f"{message.attempt} attempts: {name} (retry policy failed)")
-        return Verdict(Action.REDELIVER, _FALLBACK_DELAY)
-
-    def _settle_otherwise(self, message: Message, error: BaseException | None,
-                          action: Action | None, failure: Exception) -> str | None:
-        """The settlement of ``message`` raised ``failure``: settle it another way so
-        the delivery never hangs - a dead letter with a minimal, always-encodable record
-        when a dead letter was due, else a nack for redelivery (the durable attempt
-        count then moves on towards ``max_attempts``). Returns the stat to count, or
-        None when the broker refused every way (it redelivers at its own timeout)."""
-        log.error("%s: settling message %s failed (%s); settling it another way",
-                  self.name, message.id, describe(failure), extra=self._log_extra(message))
-        if action is Action.DEAD_LETTER or (
-                action is None and message.attempt >= self.retry.max_attempts):
-            try:
-                self._put_dead_letter(message, self._fallback_record(message, error, failure))
-                return "dead_lettered"
-            except Exception:
-                log.exception("%s: fallback dead letter of %s failed", self.name, message.id,
-                              extra=self._log_extra(message))
-        try:
-            self.broker.nack(message, 0.0)
-            return "redelivered"
-        except Exception:
-            log.exception(
-                "%s: message %s could not be settled; the broker redelivers it after its "
-                "own timeout", self.name, message.id, extra=self._log_extra(message),
-            )
-            return None
-
-    def _fallback_record(self, message: Message, error: BaseException | None,
-                         failure: Exception) -> DeadLetter:
-        now = self.broker.now()
-        kind = type(error) if error is not None else type(failure)
-        return DeadLetter(
-            message=message,
-            error_type=printable(f"{kind.__module__}.{kind.__qualname__}"),
-            error_message=describe(error),
-            traceback=format_traceback(error) if error is not None else "",
-            attempts=message.attempt,
-            first_failed_at=now,
-            last_failed_at=now,
-            reason=printable(f"dead-lettered after a failed settlement: {describe(failure)}"),
-            group=self.group,
-        )
-
-    def _release(self, message: Message, retry: Message | None, delay: float,
-                 hold: bool, counted: list[str]) -> None:
-        """Lock-protected bookkeeping after a settlement: count it, free the slot, or
-        put the retry copy in its place (now, after ``delay``, or held until due)."""
-        give_back = False
+    def _free(self, message: Message, settled: Settled) -> None:
+        """Count the settlement and free the slot, or give it to the retry copy."""
         with self._cond:
-            stats = self.stats
-            for name in counted:
-                setattr(stats, name, getattr(stats, name) + 1)
-            since = self._in_flight.pop(message, None)
-            if retry is not None and self._state is _State.STOPPED:
-                give_back = True  # stopped meanwhile: give it back
-                retry = None
-            if retry is not None:
-                retry.bind(self._on_settled)
-                self._in_flight[retry] = time.monotonic() if since is None else since
-                if self._gate is not None:
-                    self._gate.transfer(message, retry)
-                if hold:
-                    self._held[retry] = self.broker.now() + delay
-                if delay > 0:
-                    self._retry_timers[retry] = self._wheel.schedule(
-                        delay, partial(self._requeue, retry)
-                    )
-                else:
-                    self._held.pop(retry, None)
-                    self._ready.appendleft(retry)
-            elif self._gate is not None:
-                following = self._gate.release(message)
-                if following is not None:
-                    self._ready.appendleft(following)
-            self._settled_count += 1
+            run, give_back = self._slots.free(message, settled,
+                                              stopped=self._state is _State.STOPPED)
+            if run is not None:
+                self._ready.appendleft(run)
             self._wake()
-        if give_back:
-            try:
-                self.broker.nack(message, 0.0)
-            except Exception:
-                log.exception("%s: handing message %s back failed", self.name, message.id,
-                              extra=self._log_extra(message))
-
-    def _requeue(self, message: Message) -> None:
-        with self._cond:
-            if self._retry_timers.pop(message, None) is None:
-                return
-            self._held.pop(message, None)
-            self._ready.appendleft(message)
-            self._wake()
-
-    def _record_failure(self, message: Message, error: BaseException) -> None:
-        """Keep the failure history in headers so it survives redelivery (the error's
-        text is taken defensively: a ``__str__`` that raises cannot stop it)."""
-        message.headers = failure_headers(message.headers, error, self.broker.now())
-
-    def _dead_letter(self, message: Message, error: BaseException, reason: str) -> None:
-        record = DeadLetter.from_error(
-            message, error, now=self.broker.now(), reason=reason, group=self.group
-        )
-        log.error(
-            "%s: message %s (key %r, topic %r) dead-lettered after %d attempt(s): %s",
-            self.name, message.id, message.key, message.topic, message.attempt, reason,
-            extra=self._log_extra(message),
-        )
-        self._put_dead_letter(message, record)
-
-    def _put_dead_letter(self, message: Message, record: DeadLetter) -> None:
-        if self.dead_letters is not None:
-            self.dead_letters.put(record)
-            self.broker.ack(message)
-        else:
-            self.broker.dead_letter(message, record)
-
-    def _log_failure(self, message: Message, error: BaseException, action: Action,
-                     delay: float) -> None:
-        if isinstance(error, NeedRetry):
-            log.debug("%s: message %s asked for a retry (%s)", self.name, message.id, error,
-                      extra=self._log_extra(message))
-        elif action is not Action.DEAD_LETTER:
-            log.warning(
-                "%s: handler %s failed on message %s (attempt %d): %s: %s; %s in %.3gs",
-                self.name, self.handler_name, message.id, message.attempt,
-                type(error).__name__, describe(error), action.value, delay,
-                extra=self._log_extra(message),
-            )
+        if give_back:  # stopped meanwhile: give it back
+            run_sync(self._settler.hand_back([message]), self.broker, None)
 
 
 def _duration(value: float | timedelta | None, option: str) -> float | None:
     """``seconds(value)``, with the option's name in the error."""
-    try:
-        return seconds(value)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"Consumer {option}: {exc}") from None
+    return _options_duration(value, option)
 
 
-def _topic_list(topics: object) -> list[str]:
-    """``topics`` as a non-empty list of non-empty strings (one string is one topic)."""
-    if isinstance(topics, str):
-        topics = [topics]
-    if isinstance(topics, (bytes, bytearray, Mapping)) or not isinstance(topics, Iterable):
-        raise ConfigurationError(
-            f"Consumer topics must be a topic name or a list of them, got {topics!r}"
-        )
-    names = list(topics)
-    if not names:
-        raise ConfigurationError("Consumer needs at least one topic")
-    for topic in names:
-        if not isinstance(topic, str) or not topic:
-            raise ConfigurationError(
-                f"Consumer topics must be non-empty strings, got {topic!r} in {names!r}"
-            )
-    return names
-
-
-@dataclass(eq=False, slots=True)
-class _Claimed:
-    """A claimed message waiting for a worker, with the batch it belongs to."""
-
-    guard: BatchGuard
-    batch: _Round
-    entry: Entry
-
-
-class _Round:
-    """The claimed messages of one batch claim, run one by one (on a worker, or on
-    their keys' lanes): whoever runs the last one finishes the batch."""
-
-    __slots__ = ("_left", "_lock", "lanes", "later", "raised", "returned")
-
-    def __init__(self, size: int, later: list[Message],
-                 lanes: OrderedExecutor | None) -> None:
-        self._left = size
-        self._lock = threading.Lock()
-        #: Messages to prepare again after this batch (their key is held by it).
-        self.later = later
-        self.lanes = lanes
-        self.returned: list[Entry] = []
-        self.raised: list[tuple[Entry, BaseException]] = []
-
-    def add(self, entry: Entry | None, error: BaseException | None) -> bool:
-        """One message ran: ``entry`` returned (``error`` None) or raised; None when
-        its claim is finished elsewhere. True for the last one."""
-        with self._lock:
-            if entry is not None:
-                if error is None:
-                    self.returned.append(entry)
-                else:
-                    self.raised.append((entry, error))
-            self._left -= 1
-            return self._left == 0
-
-
-class _KeyGate:
-    """Ordered mode: one message per key at a time, in delivery order.
-
-    A key is owned by one message from the moment it is admitted until it is finally
-    settled (acked, dead-lettered or handed back); its retry copies inherit the
-    ownership. Messages of an owned key wait in that key's backlog, in order.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: dict[str, Message] = {}
-        self._backlog: dict[str, deque[Message]] = {}
-        self.parked = 0  # messages waiting in backlogs
-
-    @staticmethod
-    def key(message: Message) -> str:
-        """The ordering key: ``message.key``, else the message id; messages with
-        neither share one key (they keep their relative order)."""
-        if message.key is not None:
-            return message.key
-        return message.id if message.id is not None else ""
-
-    def admit(self, message: Message) -> bool:
-        """True if ``message`` may run now; otherwise it joins its key's backlog."""
-        key = self.key(message)
-        with self._lock:
-            owner = self._owner.get(key)
-            if owner is None:
-                self._owner[key] = message
-                return True
-            if owner is message:
-                return True
-            self._backlog.setdefault(key, deque()).append(message)
-            self.parked += 1
-            return False
-
-    def transfer(self, old: Message, new: Message) -> None:
-        """A retry copy takes over its key from the delivery it replaces."""
-        key = self.key(old)
-        with self._lock:
-            if self._owner.get(key) is old:
-                self._owner[key] = new
-
-    def release(self, message: Message) -> Message | None:
-        """``message`` is finally settled: the next message of its key, now admitted."""
-        key = self.key(message)
-        with self._lock:
-            if self._owner.get(key) is not message:
-                return None
-            backlog = self._backlog.get(key)
-            if not backlog:
-                del self._owner[key]
-                return None
-            following = backlog.popleft()
-            self.parked -= 1
-            if not backlog:
-                del self._backlog[key]
-            self._owner[key] = following
-            return following
+_topic_list = topic_list
