@@ -28,18 +28,16 @@ import logging
 import signal
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._callables import require_sync_callable
-from msgpatterns.brokers.base import Broker, SupportsAckMany
+from msgpatterns.brokers.base import Broker
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
 from msgpatterns.errors import (
-    BrokerClosed,
     ConfigurationError,
     MalformedMessage,
     PartialFailure,
@@ -52,6 +50,7 @@ from msgpatterns.observability import stats as _obs
 from msgpatterns.ordering.executor import OrderedExecutor
 from msgpatterns.retry import RetryPolicy
 from msgpatterns.runtime.driver import DriverBase
+from msgpatterns.runtime.fetcher import Fetcher
 from msgpatterns.runtime.gate import KeyGate, ordering_key
 from msgpatterns.runtime.lifecycle import Released
 from msgpatterns.runtime.lifecycle import State as _State
@@ -59,8 +58,8 @@ from msgpatterns.runtime.options import duration as _options_duration
 from msgpatterns.runtime.options import topic_list
 from msgpatterns.runtime.rounds import Claimed as _Claimed
 from msgpatterns.runtime.rounds import Round as _Round
-from msgpatterns.runtime.settler import Settled, run_sync
-from msgpatterns.runtime.stats import ConsumerStats
+from msgpatterns.runtime.settling import ThreadSettling
+from msgpatterns.runtime.stats import ConsumerStats, Reporter
 from msgpatterns.timer import TimingWheel
 
 if TYPE_CHECKING:
@@ -174,7 +173,7 @@ class Consumer(DriverBase):
             ack_timeout=ack_timeout, decoder=decoder, dead_letters=dead_letters,
             poll_timeout=poll_timeout, shutdown_timeout=shutdown_timeout,
             fetch_batch=fetch_batch, name=name, default_name=f"msgpatterns-{group}",
-            counts={"workers": workers}, rebind=self._on_settled, log=log)
+            counts={"workers": workers}, log=log)
         if not isinstance(batch, bool):
             raise ConfigurationError(f"Consumer batch must be True or False, got {batch!r}")
         if batch and ordered:
@@ -192,20 +191,8 @@ class Consumer(DriverBase):
         self._plain_decide = type(retry).decide is RetryPolicy.decide if retry else True
         #: Recent seconds per run of a batch-claimed handler (sizes the batch claims).
         self._pace = 0.0
-        #: A success is a plain ack: no key gate to release, no custom decide (set by
-        #: start()).
-        self._plain_acks = False
-        self._ack_many = broker.ack_many if isinstance(broker, SupportsAckMany) else None
         self.workers = workers
 
-        self._lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
-        self._cond = threading.Condition(self._lock)
-        # messages to run (and, for batch claims, claimed messages to run: _Claimed)
-        self._ready: deque[Message | _Claimed] = deque()
-        self._last_fetch: tuple[float, bool] | None = None  # (time.time(), succeeded)
-        self._fetching = False
-        self._waiting = 0
-        self._state = _State.NEW
         self._threads: list[threading.Thread] = []
         self._stop_requested = threading.Event()
         self._stopping = threading.Lock()  # one stop() at a time finishes the stop
@@ -214,6 +201,33 @@ class Consumer(DriverBase):
         self._wheel = self._new_wheel()
         self._deadlines: DeadlineTracker[Message] | None = None
         self._lanes: OrderedExecutor | None = None
+        self._gate: KeyGate | None = None
+        self._reporter = Reporter(self)
+        #: Fetching, flow control, the ready queue, the slots and the retry scheduler.
+        self._fetcher = Fetcher(
+            broker=broker, topics=self.topics, group=group, max_in_flight=max_in_flight,
+            fetch_batch=fetch_batch, poll_timeout=self.poll_timeout, stats=self.stats,
+            settler=self._settler, reporter=self._reporter,
+            stop_requested=self._stop_requested, name=self.name, log=log)
+        #: Where deliveries report their outcome (settler -> broker -> freed slot).
+        self._settling = ThreadSettling(
+            broker=broker, settler=self._settler, fetcher=self._fetcher,
+            dead_letters=dead_letters, reporter=self._reporter, log=log)
+        self._fetcher.sink = self._settler.rebind = self._settling.on_settled
+
+    @property
+    def _state(self) -> _State:
+        """The lifecycle state (kept by the fetcher, under its lock)."""
+        return self._fetcher.state
+
+    @_state.setter
+    def _state(self, state: _State) -> None:
+        self._fetcher.state = state
+
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched and not yet settled."""
+        return len(self._fetcher.slots)
 
     def _new_wheel(self) -> TimingWheel:
         return TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
@@ -222,7 +236,7 @@ class Consumer(DriverBase):
 
     def start(self) -> None:
         """Start the worker threads and return."""
-        with self._cond:
+        with self._fetcher.cond:
             if self._state is _State.RUNNING:
                 return
             if self._state is _State.STOPPING:
@@ -234,7 +248,9 @@ class Consumer(DriverBase):
                 DeadlineTracker(self._wheel, self.ack_timeout, self._deadline)
                 if self.ack_timeout > 0 else None
             )
-            self._fresh_parts(self._wheel)
+            self._gate = KeyGate() if self.ordered else None
+            self._fetcher.reset(self._retry_clock(self._wheel, self._fetcher.until_idle),
+                                self._gate)
             if self.ordered:
                 # One thread fetches and admits; handlers run on the executor's lanes,
                 # each key always on the lane that owns its logic partition.
@@ -251,7 +267,8 @@ class Consumer(DriverBase):
                     )
                     for i in range(self.workers)
                 ]
-        self._plain_acks = self._gate is None and self._plain_decide
+        self._settling.deadlines = self._deadlines
+        self._settling.plain_acks = self._gate is None and self._plain_decide
         for thread in self._threads:
             thread.start()
 
@@ -281,32 +298,32 @@ class Consumer(DriverBase):
             return self._stop(limit)
 
     def _stop(self, limit: float | None) -> bool:
-        with self._cond:
+        with self._fetcher.cond:
             if self._state in (_State.NEW, _State.STOPPED):
                 self._state = _State.STOPPED
                 return True
             self._state = _State.STOPPING
-            self._wake()
+            self._fetcher.wake()
             give_up = None if limit is None else time.monotonic() + limit
             while True:
-                if self._fetching:  # its messages are handed back; bounded by poll_timeout
-                    self._wait(self.poll_timeout)
+                if self._fetcher.fetching:  # its messages are handed back; bounded by poll_timeout
+                    self._fetcher.wait(self.poll_timeout)
                     continue
-                if not self._slots:
+                if not self._fetcher.slots:
                     break
                 left = None if give_up is None else give_up - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._wait(left)
-            leftovers = list(self._slots.held)
-            self._ready.clear()
-            self._scheduler.clear()
+                self._fetcher.wait(left)
+            leftovers = list(self._fetcher.slots.held)
+            self._fetcher.ready.clear()
+            self._fetcher.scheduler.clear()
         for message in leftovers:
-            message.expire(Released("consumer stopped"))
-        with self._cond:
+            message.delivery.expire(message, Released("consumer stopped"))
+        with self._fetcher.cond:
             self._state = _State.STOPPED
-            self._ready.clear()
-            self._wake()
+            self._fetcher.ready.clear()
+            self._fetcher.wake()
             threads, self._threads = self._threads, []
             lanes, self._lanes = self._lanes, None
         current = threading.current_thread()
@@ -321,10 +338,10 @@ class Consumer(DriverBase):
 
     def _request_stop(self) -> None:
         """Ask for a stop without waiting (from a thread of this consumer)."""
-        with self._cond:
+        with self._fetcher.cond:
             if self._state is _State.RUNNING:
                 self._state = _State.STOPPING
-                self._wake()
+                self._fetcher.wake()
         self._stop_requested.set()
 
     def run(self) -> None:
@@ -353,12 +370,12 @@ class Consumer(DriverBase):
         :meth:`stop` from a handler ends it early (in-flight work finishes first).
         """
         limit = seconds(timeout)
-        with self._cond:
-            self._until_idle = True
+        with self._fetcher.cond:
+            self._fetcher.until_idle = True
         self.start()
         idle = self._stop_requested.wait(limit)
-        with self._cond:
-            self._until_idle = False
+        with self._fetcher.cond:
+            self._fetcher.until_idle = False
         if not idle:
             self.stop(0)
             raise TimeoutError(f"{self.name} not idle after {limit}s: {self.stats}")
@@ -371,23 +388,10 @@ class Consumer(DriverBase):
 
     # -- worker loop ----------------------------------------------------------------
 
-    def _wait(self, timeout: float | None = None) -> None:
-        """Wait on the condition (lock held), counted so that wakes are skipped when
-        nobody waits: settlement is the hot path."""
-        self._waiting += 1
-        try:
-            self._cond.wait(timeout)
-        finally:
-            self._waiting -= 1
-
-    def _wake(self) -> None:
-        if self._waiting:
-            self._cond.notify_all()
-
     def _work(self) -> None:
         _own_thread.consumer = self
         while True:
-            message: Message | None = self._next()  # type: ignore[assignment]  # no _Claimed
+            message: Message | None = self._fetcher.next()  # type: ignore[assignment]  # no _Claimed
             if message is None:
                 return
             try:
@@ -403,7 +407,7 @@ class Consumer(DriverBase):
         assert gate is not None and lanes is not None
         try:
             while True:
-                message: Message | None = self._next()  # type: ignore[assignment]
+                message: Message | None = self._fetcher.next()  # type: ignore[assignment]
                 if message is None:
                     return
                 if self._guard is not None:  # claim what is admitted now, as one batch
@@ -423,138 +427,6 @@ class Consumer(DriverBase):
         except BaseException:  # the lane survives whatever happens
             log.exception("%s: running message %s failed", self.name, message.id,
                           extra=self._log_extra(message))
-
-    def _next(self) -> Message | _Claimed | None:
-        """The next message to run, fetching when needed; None when the worker exits."""
-        try:
-            return self._ready.popleft()  # the common case needs no lock (deque is atomic)
-        except IndexError:
-            pass
-        while True:
-            with self._cond:
-                while True:
-                    if self._ready:
-                        return self._ready.popleft()
-                    if self._state is _State.STOPPED:
-                        return None
-                    if self._state is _State.STOPPING:
-                        if not self._slots:
-                            return None
-                        self._wait()
-                        continue
-                    free = self.max_in_flight - len(self._slots)
-                    if self._fetching:
-                        self._wait(self.poll_timeout)
-                        continue
-                    if free <= 0:
-                        # Full: only a held retry coming due can free a slot.
-                        if not (self._until_idle and self._slots.nothing_active()
-                                and self._jump(can_fetch=False)):
-                            self._wait(self.poll_timeout)
-                        continue
-                    self._fetching = True
-                    until_idle = self._until_idle
-                    generation = self._slots.settled
-                    break
-            messages = self._fetch(min(free, self.fetch_batch), 0.0 if until_idle else None)
-            with self._cond:
-                if messages and self._state is not _State.RUNNING:
-                    stopping = True  # stop() waits for _fetching: hand them back first
-                else:
-                    stopping = False
-                    self._fetching = False
-                    if messages:
-                        for message in messages:
-                            message.bind(self._on_settled)
-                        self.stats.fetched += len(messages)
-                        self._slots.take(messages)
-                        if _obs.listener is not None:
-                            self._report({"fetched": len(messages)})
-                        self._ready.extend(messages[1:])
-                        self._wake()
-                        return messages[0]
-                    self._wake()
-            if stopping:
-                self._hand_back(messages)
-                continue
-            with self._cond:
-                if not until_idle or self._state is not _State.RUNNING or self._ready:
-                    continue
-                if not self._slots.nothing_active():
-                    if self._slots.settled == generation:
-                        self._wait(self.poll_timeout)
-                elif not self._jump(can_fetch=True):
-                    if self._slots:  # retries due later in real time
-                        self._wait(self.poll_timeout)
-                    else:
-                        self._finish_idle()
-                        return None
-
-    def _hand_back(self, messages: list[Message]) -> None:
-        """A fetch returned after stop() was called: nack its messages unprocessed,
-        then let stop() go on."""
-        errors = run_sync(self._settler.hand_back(messages), self.broker, None)
-        with self._cond:
-            self.stats.fetched += len(messages)
-            self.stats.released += len(messages) - errors
-            self.stats.broker_errors += errors
-            self._fetching = False
-            self._wake()
-        if _obs.listener is not None:
-            self._report({"fetched": len(messages), "released": len(messages) - errors,
-                          "broker_errors": errors})
-
-    def _jump(self, *, can_fetch: bool) -> bool:
-        """Lock held, nothing active: move virtual time to the next moment something can
-        run (:func:`msgpatterns.runtime.idle.jump`) and queue the retries now due. True
-        when that made progress possible; False when nothing could move (the caller
-        then waits or finishes)."""
-        moved = self._move_time(can_fetch=can_fetch)
-        if moved is None:
-            return False
-        fetchable, due = moved
-        self._ready.extend(due)
-        return bool(due) or fetchable
-
-    def _retry_due(self, message: Message) -> None:
-        """A retry's timer fired (timer thread): queue it to run."""
-        with self._cond:
-            if self._scheduler.take(message):
-                self._ready.appendleft(message)
-                self._wake()
-
-    def _fetch(self, count: int, timeout: float | None) -> list[Message]:
-        try:
-            messages = self.broker.fetch(
-                self.topics, self.group, max_messages=count,
-                timeout=self.poll_timeout if timeout is None else timeout,
-            )
-            self._last_fetch = (time.time(), True)
-            return messages
-        except BrokerClosed:
-            self._last_fetch = (time.time(), False)
-            # The broker was closed under a running consumer: nothing more can be
-            # fetched or settled, so stop (what is in flight is handed back).
-            if self._state is _State.RUNNING:
-                log.error("%s: the broker was closed while consuming; stopping", self.name)
-                self._stop_requested.set()
-            with self._cond:
-                self._wait(self.poll_timeout)
-            return []
-        except Exception:
-            self._last_fetch = (time.time(), False)
-            with self._cond:
-                self.stats.broker_errors += 1
-            if _obs.listener is not None:
-                self._report({"broker_errors": 1})
-            log.exception("%s: fetch failed; retrying", self.name)
-            time.sleep(min(self.poll_timeout, 1.0))
-            return []
-
-    def _finish_idle(self) -> None:
-        self._state = _State.STOPPING
-        self._stop_requested.set()
-        self._wake()
 
     # -- one delivery ---------------------------------------------------------------
 
@@ -577,11 +449,11 @@ class Consumer(DriverBase):
         except BaseException as exc:  # SystemExit & co fail the message, not the worker
             error = exc
         if scope is None:
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
             return
         _obs.report(scope.handler_returned, error)
         try:  # the settlement runs inside the delivery's trace context
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
 
@@ -593,7 +465,7 @@ class Consumer(DriverBase):
         shared out to every worker; the batch's last finisher completes it)."""
         _own_thread.consumer = self
         while True:
-            item = self._next()
+            item = self._fetcher.next()
             if item is None:
                 return
             try:
@@ -619,7 +491,7 @@ class Consumer(DriverBase):
     def _take_ready(self, first: Message, limit: int) -> list[Message]:
         """``first`` and more ready messages (not claimed ones), up to ``limit``."""
         chunk = [first]
-        ready = self._ready
+        ready = self._fetcher.ready
         while len(chunk) < limit:
             try:
                 item = ready.popleft()  # atomic: no lock needed
@@ -658,11 +530,11 @@ class Consumer(DriverBase):
         listener = _obs.listener
         scope = None if listener is None else self._start_scope(listener, message)
         if scope is None:
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
             return
         _obs.report(scope.handler_returned, error)
         try:
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
 
@@ -672,7 +544,7 @@ class Consumer(DriverBase):
         and returns the entries to run, and the messages to prepare again once this
         batch is finished (their key is held by an earlier message of the batch). A
         claimed message completes or releases its claim before it is settled, whoever
-        settles it (:meth:`_settle_claimed`)."""
+        settles it (:meth:`ThreadSettling.on_claimed_settled`)."""
         runs: list[Entry] = []
         later: list[Message] = []
         for entry in guard.prepare(messages):
@@ -683,25 +555,10 @@ class Consumer(DriverBase):
                 self._settle_unrun(entry.message, entry.error)
                 continue
             if entry.claim is not None:
-                entry.message.bind(partial(self._settle_claimed, guard, entry))
+                entry.message.delivery.bind(
+                    partial(self._settling.on_claimed_settled, guard, entry))
             runs.append(entry)
         return runs, later
-
-    def _settle_claimed(self, guard: BatchGuard, entry: Entry, message: Message,
-                        error: BaseException | None) -> None:
-        """Settle callback of a claimed message: when it is settled outside its batch's
-        finish (an explicit ack, its deadline, stop()), its claim is completed (success)
-        or released (failure) first; then the usual settlement."""
-        if entry.open:
-            try:
-                if error is None:
-                    guard.finish((entry,), ())
-                else:
-                    guard.finish((), (entry,))
-            except Exception:
-                log.exception("%s: finishing the idempotency claim of %s failed", self.name,
-                              message.id, extra=self._log_extra(message))
-        self._on_settled(message, error)
 
     def _execute_round_safely(self, messages: list[Message],
                               lanes: OrderedExecutor | None = None) -> None:
@@ -726,11 +583,11 @@ class Consumer(DriverBase):
         batch = _Round(len(runs), later, lanes)
         if lanes is None:  # this worker runs the first; any worker takes the others
             if len(runs) > 1:
-                self._ready.extendleft(_Claimed(guard, batch, entry)
+                self._fetcher.ready.extendleft(_Claimed(guard, batch, entry)
                                        for entry in reversed(runs[1:]))
                 if self.workers > 1:
-                    with self._cond:
-                        self._wake()
+                    with self._fetcher.cond:
+                        self._fetcher.wake()
             self._run_claimed(guard, batch, runs[0])
         else:
             for entry in runs:
@@ -766,8 +623,8 @@ class Consumer(DriverBase):
                 _obs.report(scope.close)
             if error is None and (message.acked or not message.auto_ack):
                 # Settled by the handler, or awaiting its explicit ack: its claim is
-                # finished when it is settled (_settle_claimed).
-                message.handler_finished(None)
+                # finished when it is settled (ThreadSettling.on_claimed_settled).
+                message.delivery.finish(message, None)
                 last = batch.add(None, None)
             else:
                 last = batch.add(entry, error)
@@ -782,8 +639,8 @@ class Consumer(DriverBase):
         except Exception:  # a closed checker...: the effects happened; settle anyway
             log.exception("%s: completing a batch of idempotency claims failed", self.name)
         for entry, error in batch.raised:
-            entry.message.handler_finished(error)
-        self._ack_all([entry.message for entry in batch.returned])
+            entry.message.delivery.finish(entry.message, error)
+        self._settling.ack_all([entry.message for entry in batch.returned])
         if batch.later:  # repeats of keys this batch held: duplicates now (or runs)
             self._claim_round([m for m in batch.later if not m.acked], batch.lanes)
 
@@ -826,14 +683,14 @@ class Consumer(DriverBase):
             elif message.auto_ack and not message.acked:
                 returned.append(message)
             else:  # settled by the handler, or awaiting its explicit ack
-                message.handler_finished(None)
+                message.delivery.finish(message, None)
         try:
             if guard is not None and entries:
                 guard.finish([entries[m] for m in returned if m in entries],
                              [entries[m] for m, _ in raised if m in entries])
             for message, failed in raised:
-                message.handler_finished(failed)
-            self._ack_all(returned)
+                message.delivery.finish(message, failed)
+            self._settling.ack_all(returned)
         finally:
             if scopes is not None:
                 for scope in reversed(scopes):
@@ -850,60 +707,6 @@ class Consumer(DriverBase):
             log.warning("%s: PartialFailure names %d message(s) that are not in the batch "
                         "(ignored), e.g. %r", self.name, len(strangers), strangers[0])
 
-    def _ack_all(self, messages: list[Message]) -> None:
-        """Settle successful deliveries (auto ack) together: one broker call (where the
-        broker acks many at once), one lock and one stats update for all of them. Where
-        a settlement must be seen per message (a telemetry listener, ordered mode's key
-        gate, a RetryPolicy that overrides decide) each goes through the usual
-        per-message settlement instead."""
-        if not messages:
-            return
-        if not self._plain_acks or _obs.listener is not None:
-            for message in messages:
-                message.handler_finished(None)
-            return
-        won = [message for message in messages if message.settle_quietly()]
-        deadlines = self._deadlines
-        if deadlines is not None:
-            for message in won:
-                deadlines.untrack(message)
-        self._ack_all_settled(won)
-
-    def _ack_all_settled(self, messages: list[Message]) -> None:
-        """Ack settled successes at the broker and free their slots; a delivery whose
-        ack fails is settled another way (:meth:`_settle_otherwise`)."""
-        acked = messages
-        ack_many = self._ack_many
-        if ack_many is not None and len(messages) > 1:
-            try:
-                ack_many(messages)
-            except Exception:  # one by one: each failure is settled on its own
-                acked = self._ack_each(messages)
-        else:
-            acked = self._ack_each(messages)
-        if acked:
-            with self._lock:
-                self._slots.free_acked(acked)
-                self._wake()
-
-    def _ack_each(self, messages: list[Message]) -> list[Message]:
-        """Ack each delivery; returns those acked (the others are settled otherwise)."""
-        acked = []
-        ack = self.broker.ack
-        for message in messages:
-            try:
-                ack(message)
-            except Exception as failure:
-                self._ack_failed(message, failure)
-            else:
-                acked.append(message)
-        return acked
-
-    def _ack_failed(self, message: Message, failure: Exception) -> None:
-        """The ack of a success raised: settle it another way, count, free the slot."""
-        self._free(message, run_sync(self._settler.ack_failed(message, failure),
-                                     self.broker, self.dead_letters))
-
     # -- telemetry, health and log context (no cost while no listener is installed) --
 
     def _start_scope(self, listener: _obs.Listener,
@@ -916,14 +719,8 @@ class Consumer(DriverBase):
             return None
 
     def _count(self, counts: Mapping[str, int], message: Message | None = None) -> None:
-        if _obs.listener is not None:
-            self._report(counts, message)
-
-    def _report(self, counts: Mapping[str, int], message: Message | None = None) -> None:
         """Report ``counts`` (ConsumerStats fields just added to) to the listener."""
-        listener = _obs.listener
-        if listener is not None:
-            _obs.report(listener.consumer_counted, self, counts, message)
+        self._reporter.count(counts, message)
 
     def _log_extra(self, message: Message) -> dict[str, Any]:
         """The ``extra`` fields of every log line about ``message``."""
@@ -935,11 +732,11 @@ class Consumer(DriverBase):
         from msgpatterns.observability.stats import Health
 
         now = time.monotonic()
-        with self._cond:
+        with self._fetcher.cond:
             state = self._state
-            in_flight = len(self._slots)
-            oldest = min(self._slots.held.values(), default=None)
-            last = self._last_fetch
+            in_flight = len(self._fetcher.slots)
+            oldest = min(self._fetcher.slots.held.values(), default=None)
+            last = self._fetcher.last_fetch
         threads_alive = all(t.is_alive() for t in self._threads)
         connected = getattr(type(self.broker), "connected", None)
         broker_connected: bool | None
@@ -960,48 +757,6 @@ class Consumer(DriverBase):
             oldest_unsettled_age=None if oldest is None else max(0.0, now - oldest),
             broker_connected=broker_connected,
         )
-
-    def _on_settled(self, message: Message, error: BaseException | None) -> None:
-        """Act on a settled delivery; runs once, on whichever thread settled it.
-
-        The settler (:mod:`msgpatterns.runtime.settler`) turns the outcome into broker
-        calls; whatever fails there, the delivery is settled another way, and the slot
-        is always freed."""
-        deadlines = self._deadlines
-        if deadlines is not None:
-            deadlines.untrack(message)
-        if error is None and self._plain_acks and _obs.listener is None:
-            # The hot path: a success is an ack and a freed slot.
-            try:
-                self.broker.ack(message)
-            except Exception as failure:
-                self._ack_failed(message, failure)
-                return
-            with self._lock:
-                self._slots.free_acked((message,))
-                self._wake()
-            return
-        settled = Settled(["broker_errors"])
-        try:
-            settled = run_sync(self._settler.settle(message, error), self.broker,
-                               self.dead_letters)
-        finally:
-            listener = _obs.listener
-            if listener is not None:  # before _free: stop() waits for the slot
-                _obs.report(listener.delivery_settled, self, message, settled.counted,
-                            error)
-            self._free(message, settled)
-
-    def _free(self, message: Message, settled: Settled) -> None:
-        """Count the settlement and free the slot, or give it to the retry copy."""
-        with self._cond:
-            run, give_back = self._slots.free(message, settled,
-                                              stopped=self._state is _State.STOPPED)
-            if run is not None:
-                self._ready.appendleft(run)
-            self._wake()
-        if give_back:  # stopped meanwhile: give it back
-            run_sync(self._settler.hand_back([message]), self.broker, None)
 
 
 def _duration(value: float | timedelta | None, option: str) -> float | None:

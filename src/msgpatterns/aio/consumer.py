@@ -53,9 +53,13 @@ from msgpatterns.errors import (
 )
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
-from msgpatterns.runtime.clock import LoopTimer
+from msgpatterns.runtime.clock import LoopTimer, VirtualClock
 from msgpatterns.runtime.driver import DriverBase
+from msgpatterns.runtime.flow import Slots
+from msgpatterns.runtime.gate import KeyGate
+from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
+from msgpatterns.runtime.scheduler import RetryScheduler
 from msgpatterns.runtime.settler import Settled, run_async
 from msgpatterns.runtime.stats import ConsumerStats
 
@@ -147,6 +151,12 @@ class AsyncConsumer(DriverBase):
         self._changed: asyncio.Event | None = None
         self._stop_requested: asyncio.Event | None = None
         self._stopping: asyncio.Lock | None = None
+        self._until_idle = False
+        self._gate: KeyGate | None = None
+        #: Delayed retries and the slots (made per start(): on the loop, or virtual).
+        self._scheduler: RetryScheduler[Message] = RetryScheduler(
+            VirtualClock(None, broker.now), self._retry_due)
+        self._slots = Slots(self.stats, None, self._scheduler)
         # The settlement the task running handler_finished() awaits itself (no task).
         self._inline: Message | None = None
         self._inline_outcome: tuple[BaseException | None] | None = None
@@ -165,7 +175,10 @@ class AsyncConsumer(DriverBase):
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Lock()
         self._timer = LoopTimer(self._loop)
-        self._fresh_parts(self._timer)
+        self._gate = KeyGate() if self.ordered else None
+        self._scheduler = RetryScheduler(self._retry_clock(self._timer, self._until_idle),
+                                         self._retry_due)
+        self._slots = Slots(self.stats, self._gate, self._scheduler)
         self._deadlines = (
             DeadlineTracker(self._timer, self.ack_timeout, self._deadline)
             if self.ack_timeout > 0 else None)
@@ -221,7 +234,7 @@ class AsyncConsumer(DriverBase):
         leftovers = list(self._slots.held)
         self._scheduler.clear()
         for message in leftovers:
-            message.expire(Released("consumer stopped"))
+            message.delivery.expire(message, Released("consumer stopped"))
         self._state = State.STOPPED
         for task in list(self._running):
             if task not in self._finishing:  # a settlement in progress is let finish
@@ -296,6 +309,11 @@ class AsyncConsumer(DriverBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop(self.shutdown_timeout)
+
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched and not yet settled."""
+        return len(self._slots)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("%s: signal %s, shutting down", self.name, sig.name)
@@ -384,7 +402,7 @@ class AsyncConsumer(DriverBase):
 
     def _admit(self, message: Message) -> None:
         """A fetched message takes a slot, then runs now or waits behind its key."""
-        message.bind(self._on_settle)
+        message.delivery.bind(self._on_settle)
         self._slots.take((message,))
         if self._gate is None or self._gate.admit(message):
             self._spawn(message)
@@ -398,7 +416,9 @@ class AsyncConsumer(DriverBase):
         """Nothing active: move virtual time to the next moment something can run
         (:func:`msgpatterns.runtime.idle.jump`) and start the retries now due. True
         when progress became possible."""
-        moved = self._move_time(can_fetch=can_fetch)
+        moved = jump_or_none(self.broker, self.topics, self.group, self._scheduler,
+                             can_fetch=can_fetch, stats=self.stats, count=self._count,
+                             log=log, name=self.name)
         if moved is None:
             return False
         fetchable, due = moved
@@ -435,7 +455,7 @@ class AsyncConsumer(DriverBase):
             error = exc
         self._inline, self._inline_outcome = message, None
         try:
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
         finally:
             outcome, self._inline, self._inline_outcome = self._inline_outcome, None, None
         if outcome is not None:

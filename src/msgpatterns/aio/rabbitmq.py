@@ -52,6 +52,7 @@ from msgpatterns.brokers.rabbitmq import (
     retry_queue_arguments,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -203,7 +204,7 @@ class AsyncRabbitMQBroker:
                     return out
 
     async def ack(self, message: Message) -> None:
-        r = self._receipt(message)
+        r = _receipt_of(message)
         try:
             await r.incoming.ack()
         except Exception as exc:
@@ -213,7 +214,7 @@ class AsyncRabbitMQBroker:
     async def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds (through a TTL retry queue) with
         ``attempt + 1``, the original payload and id, and the current headers."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         try:
             checked = seconds(delay) or 0.0
             ms = delay_bucket_ms(checked) if checked > 0 else 0
@@ -224,7 +225,7 @@ class AsyncRabbitMQBroker:
 
     async def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to the group's dead-letter queue (confirmed), then ack."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         try:
             payload, props = dead_letter_wire(record)
             dlq = await self._declare_queue(
@@ -419,7 +420,7 @@ class AsyncRabbitMQBroker:
         """A prefetched delivery no handler saw goes back with its own attempt number
         (a requeue would count as an attempt on a quorum queue)."""
         try:
-            await self._move(self._receipt(message), message, 0, attempt=message.attempt)
+            await self._move(_receipt_of(message), message, 0, attempt=message.attempt)
         except Exception:
             log.warning("%s: giving back %s failed; the server redelivers it", self.name,
                         message.id, exc_info=True)
@@ -432,12 +433,10 @@ class AsyncRabbitMQBroker:
             log.debug("%s: handing back a delivery failed (its connection is gone: the "
                       "server requeued it)", self.name, exc_info=True)
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by an AsyncRabbitMQBroker")
-        return receipt
-
     def __repr__(self) -> str:
         return f"AsyncRabbitMQBroker(name={self.name!r})"
+
+
+def _receipt_of(message: Message) -> _Receipt:
+    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
+    return receipt_of(message, _Receipt, "an AsyncRabbitMQBroker")

@@ -50,6 +50,7 @@ from msgpatterns.brokers.redis_streams import (
     _Receipt,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable
 from msgpatterns.message import Message
 
@@ -220,7 +221,7 @@ class AsyncRedisStreamsBroker:
     async def ack(self, message: Message) -> None:
         """XACK the delivery (and XDEL a retry-stream entry) now."""
         self._check_open()
-        r = self._receipt(message)
+        r = _receipt_of(message)
 
         async def send() -> None:
             if not r.retry:
@@ -419,7 +420,7 @@ class AsyncRedisStreamsBroker:
 
     async def _redeliver(self, message: Message, delay: float,
                          attempt: int | None = None) -> None:
-        r = self._receipt(message)
+        r = _receipt_of(message)
         fields = _entry(body_bytes(message.raw_body),
                         codec.redelivery_headers(message, group=r.group, attempt=attempt))
         if delay > 0:
@@ -437,7 +438,7 @@ class AsyncRedisStreamsBroker:
             log.debug("nack of %s ignored: claimed by another consumer", message.id)
 
     async def _bury(self, message: Message, record: DeadLetter) -> None:
-        r = self._receipt(message)
+        r = _receipt_of(message)
         fields = _entry(codec.dead_letter_body(record), codec.dead_letter_headers(record))
         moved = await self._move(r, _dead_letter_stream(r.topic), "stream", fields,
                                  maxlen=self.dead_letter_maxlen)
@@ -455,12 +456,10 @@ class AsyncRedisStreamsBroker:
              "" if maxlen is None else maxlen, *values])
         return bool(result)
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a Redis Streams broker")
-        return receipt
-
     def __repr__(self) -> str:
         return f"AsyncRedisStreamsBroker(consumer={self.consumer!r})"
+
+
+def _receipt_of(message: Message) -> _Receipt:
+    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
+    return receipt_of(message, _Receipt, "a Redis Streams broker")

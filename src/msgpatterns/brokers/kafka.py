@@ -63,6 +63,7 @@ from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._dlq import selected
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -462,14 +463,14 @@ class KafkaBroker:
         """Mark the record settled; the next fetch (or :meth:`commit`, or
         :meth:`close`) commits the contiguous settled prefix."""
         with self._life.operation("ack"):
-            self._settled(self._receipt(message))
+            self._settled(_receipt_of(message))
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Produce the retry (original payload, current headers, ``attempt + 1``, due
         in ``delay`` seconds) to ``<topic>.retry``; once confirmed, the record is
         settled."""
         with self._life.operation("nack"):
-            r = self._receipt(message)
+            r = _receipt_of(message)
             if self._stale(r):
                 log.debug("nack of %s ignored: its partition was revoked", message.id)
                 return
@@ -482,7 +483,7 @@ class KafkaBroker:
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Produce the record to ``<topic>.DLT``; once confirmed, the record is settled."""
         with self._life.operation("dead_letter"):
-            r = self._receipt(message)
+            r = _receipt_of(message)
             if self._stale(r):
                 log.debug("dead letter of %s ignored: its partition was revoked",
                           message.id)
@@ -964,12 +965,10 @@ class KafkaBroker:
         self._produce(self.dead_letter_topic(topic), b"", None,
                       {DLQ_REMOVES: json.dumps(where)})
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a KafkaBroker")
-        return receipt
-
     def __repr__(self) -> str:
         return f"KafkaBroker({self._base.get('bootstrap.servers')!r})"
+
+
+def _receipt_of(message: Message) -> _Receipt:
+    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
+    return receipt_of(message, _Receipt, "a KafkaBroker")

@@ -25,6 +25,7 @@ from typing import Any
 
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import MAX_DURATION, BrokerClosed, ConfigurationError, seconds
 from msgpatterns.message import Message
 
@@ -293,7 +294,7 @@ class InMemoryBroker:
                 self._cond.wait(wait)
 
     def ack(self, message: Message) -> None:
-        receipt = self._receipt(message)
+        receipt = _receipt_of(message)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -319,7 +320,7 @@ class InMemoryBroker:
         """Redeliver after ``delay`` seconds (virtual). A negative, NaN, infinite or
         huge delay raises ConfigurationError and changes nothing."""
         delay = _duration(delay, "nack delay")
-        receipt = self._receipt(message)
+        receipt = _receipt_of(message)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -338,7 +339,7 @@ class InMemoryBroker:
             self._cond.notify_all()
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
-        receipt = self._receipt(message)
+        receipt = _receipt_of(message)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -524,12 +525,6 @@ class InMemoryBroker:
             offset=entry.offset,
         )
 
-    def _receipt(self, message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by this InMemoryBroker")
-        return receipt
-
     def _event(self, kind: str, message_id: str | None, group: str, attempt: int,
                delay: float = 0.0) -> None:
         if self.record_history:
@@ -541,3 +536,8 @@ class InMemoryBroker:
 def _check_topic(topic: object) -> None:
     if not isinstance(topic, str) or not topic:
         raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
+
+
+def _receipt_of(message: Message) -> _Receipt:
+    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
+    return receipt_of(message, _Receipt, "this InMemoryBroker")

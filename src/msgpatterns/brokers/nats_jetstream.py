@@ -51,6 +51,7 @@ from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._dlq import selected
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, ConfigurationError
 from msgpatterns.message import Message
 
@@ -212,7 +213,7 @@ class NatsJetStreamBroker:
     def ack(self, message: Message) -> None:
         """Acknowledge; the ack is sent on the I/O thread without waiting (a lost ack
         means a redelivery, never a loss). :meth:`close` flushes what is queued."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         self._submit(r.msg.ack())
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
@@ -222,7 +223,7 @@ class NatsJetStreamBroker:
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to ``T.__dlq`` (confirmed), then ack the delivery."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         self._run(self._publish(
             r.topic, self.dead_letter_subject(r.topic), codec.dead_letter_body(record),
             codec.dead_letter_headers(record), None,
@@ -491,7 +492,7 @@ class NatsJetStreamBroker:
         return message
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
-        r = self._receipt(message)
+        r = _receipt_of(message)
         due = time.time() + delay if delay > 0 else None
         wire = codec.redelivery_headers(message, group=r.group, due_at=due, attempt=attempt)
         if due is not None:
@@ -571,12 +572,10 @@ class NatsJetStreamBroker:
     def _where(self) -> str:
         return ",".join(self.servers)
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ConfigurationError(f"{message!r} was not fetched from a NatsJetStreamBroker")
-        return receipt
-
     def __repr__(self) -> str:
         return f"NatsJetStreamBroker({self._where()!r}, name={self.name!r})"
+
+
+def _receipt_of(message: Message) -> _Receipt:
+    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
+    return receipt_of(message, _Receipt, "a NatsJetStreamBroker")

@@ -80,6 +80,7 @@ from msgpatterns.brokers._reconnect import (
     reconnecting,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -539,7 +540,7 @@ class RabbitMQBroker:
     def ack(self, message: Message) -> None:
         """Ack the delivery (does not wait; a lost connection redelivers it; queued acks
         are sent by :meth:`close`)."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         self._submit(lambda channel: self._settle(channel, r), wait=False)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
@@ -551,7 +552,7 @@ class RabbitMQBroker:
         :class:`~msgpatterns.errors.ConfigurationError` after handing the delivery back
         to its queue: a refused settlement never leaves a delivery unacked.
         """
-        r = self._receipt(message)
+        r = _receipt_of(message)
         try:
             checked = seconds(delay) or 0.0
             delay_bucket_ms(checked)
@@ -565,7 +566,7 @@ class RabbitMQBroker:
         """Publish the record to the group's dead-letter queue, then ack. Texts are
         made encodable first; if the publish still fails, the delivery is handed back
         to its queue and the error raised."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         with self._errors("dead_letter"):
             self._call(lambda channel: self._dead_letter_now(channel, r, record))
 
@@ -1002,7 +1003,7 @@ class RabbitMQBroker:
                  attempt: int | None = None) -> None:
         """Publish the redelivery copy (through a retry queue when delayed), confirmed,
         then ack the delivery."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         if r.generation != self._generation:
             return  # the connection that delivered it is gone: the server redelivers it
         with self._or_hand_back(r):
@@ -1194,12 +1195,10 @@ class RabbitMQBroker:
         finally:
             conn.close()
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a RabbitMQBroker")
-        return receipt
-
     def __repr__(self) -> str:
         return f"RabbitMQBroker(name={self.name!r})"
+
+
+def _receipt_of(message: Message) -> _Receipt:
+    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
+    return receipt_of(message, _Receipt, "a RabbitMQBroker")

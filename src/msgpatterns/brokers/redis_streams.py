@@ -79,6 +79,7 @@ from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers._dlq import selected
 from msgpatterns.brokers._reconnect import reconnect_backoff, reconnecting
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, MalformedMessage
 from msgpatterns.message import Message
 
@@ -443,7 +444,7 @@ class RedisStreamsBroker:
 
     def ack(self, message: Message) -> None:
         """Queue the ack (see the batching note above); :meth:`flush` sends it now."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks([r])
@@ -461,7 +462,7 @@ class RedisStreamsBroker:
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
-        receipts = [self._receipt(message) for message in messages]
+        receipts = [_receipt_of(message) for message in messages]
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks(receipts)
@@ -496,7 +497,7 @@ class RedisStreamsBroker:
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None = None) -> None:
         """Move the delivery to the retry path (the delayed set when ``delay`` > 0)."""
-        r = self._receipt(message)
+        r = _receipt_of(message)
         fields = self._entry(
             body_bytes(message.raw_body),
             codec.redelivery_headers(message, group=r.group, attempt=attempt),
@@ -522,7 +523,7 @@ class RedisStreamsBroker:
         self._bury(message, record)
 
     def _bury(self, message: Message, record: DeadLetter) -> None:
-        r = self._receipt(message)
+        r = _receipt_of(message)
         fields = self._entry(codec.dead_letter_body(record), codec.dead_letter_headers(record))
         moved = self._move(r, self.dead_letter_stream(r.topic), "stream", fields,
                            maxlen=self.dead_letter_maxlen)
@@ -935,7 +936,7 @@ class RedisStreamsBroker:
             taken: list[Message] = []
             kept: list[Message] = []
             for m in self._overflow:
-                r = m.receipt
+                r = _receipt_of(m)
                 if len(taken) < limit and r.group == group and r.topic in topics:
                     taken.append(m)
                 else:
@@ -971,12 +972,10 @@ class RedisStreamsBroker:
             ))
         return out
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a RedisStreamsBroker")
-        return receipt
-
     def __repr__(self) -> str:
         return f"RedisStreamsBroker(consumer={self.consumer!r})"
+
+
+def _receipt_of(message: Message) -> _Receipt:
+    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
+    return receipt_of(message, _Receipt, "a RedisStreamsBroker")

@@ -1,7 +1,7 @@
-"""What both drivers hold: the checked options, the counts, the settler, the slots and
-the retry scheduler, and the few steps they take alike (the ack deadline, moving
-virtual time). The thread driver (:class:`msgpatterns.Consumer`) and the asyncio
-driver (:class:`msgpatterns.aio.AsyncConsumer`) add only how they wait.
+"""What both drivers hold: the checked options, the counts and the settler, and the few
+steps they take alike (choosing the retry clock, the ack deadline). The thread driver
+(:class:`msgpatterns.Consumer`) and the asyncio driver
+(:class:`msgpatterns.aio.AsyncConsumer`) add only how they wait.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from msgpatterns.errors import AckTimeout, ConfigurationError
 from msgpatterns.message import Message, SettleCallback
 from msgpatterns.retry import RetryPolicy
 from msgpatterns.runtime.clock import Clock, RealClock, VirtualClock
-from msgpatterns.runtime.flow import Slots
-from msgpatterns.runtime.gate import KeyGate
-from msgpatterns.runtime.idle import jump
 from msgpatterns.runtime.options import check_common, duration, topic_list
-from msgpatterns.runtime.scheduler import RetryScheduler
 from msgpatterns.runtime.settler import Settler
 from msgpatterns.runtime.stats import ConsumerStats
 from msgpatterns.timer import Timer
@@ -47,10 +43,6 @@ class DriverBase:
     name: str
     handler_name: str
     stats: ConsumerStats
-    _until_idle: bool
-    _gate: KeyGate | None
-    _scheduler: RetryScheduler[Message]
-    _slots: Slots
     _settler: Settler
     _log: logging.Logger
 
@@ -60,7 +52,7 @@ class DriverBase:
                    dead_letters: DeadLetterStore | None, poll_timeout: float | timedelta,
                    shutdown_timeout: float | timedelta | None, fetch_batch: int,
                    name: str | None, default_name: str, counts: Mapping[str, object],
-                   rebind: SettleCallback, log: logging.Logger) -> None:
+                   log: logging.Logger, rebind: SettleCallback | None = None) -> None:
         """Check and keep the options both drivers take (ConfigurationError naming the
         first wrong one), and make the settler and the (not yet started) slots."""
         check_common(where, retry=retry, dead_letters=dead_letters, group=group, name=name,
@@ -86,54 +78,21 @@ class DriverBase:
         self.handler_name = getattr(handler, "__qualname__", None) or repr(handler)
         self.stats = ConsumerStats()
         self._log = log
-        self._until_idle = False
-        self._gate = None
-        self._scheduler = RetryScheduler(VirtualClock(None, broker.now), self._retry_due)
-        self._slots = Slots(self.stats, None, self._scheduler)
         self._settler = Settler(
             policy=self.retry, now=broker.now, group=group, name=self.name,
             handler_name=self.handler_name, own_store=dead_letters is not None,
             keep_redeliveries=self.ordered, rebind=rebind, log=log)
 
-    @property
-    def in_flight(self) -> int:
-        """Messages fetched and not yet settled."""
-        return len(self._slots)
-
-    def _fresh_parts(self, timer: Timer) -> None:
-        """At start: a key gate (ordered mode), the retry scheduler on its clock - the
-        broker's virtual time while running until idle on a broker that has one, else
-        real time on ``timer`` - and empty slots."""
-        clock: Clock
+    def _retry_clock(self, timer: Timer, until_idle: bool) -> Clock:
+        """The clock retries wait on: the broker's virtual time while running until
+        idle on a broker that has one, else real time on ``timer``."""
         broker = self.broker
-        if self._until_idle and isinstance(broker, SupportsVirtualTime):
-            clock = VirtualClock(broker, self.broker.now)
-        else:
-            clock = RealClock(self.broker.now, timer)
-        self._gate = KeyGate() if self.ordered else None
-        self._scheduler = RetryScheduler(clock, self._retry_due)
-        self._slots = Slots(self.stats, self._gate, self._scheduler)
-
-    def _retry_due(self, message: Message) -> None:
-        """A retry's timer fired: the driver runs it."""
-        raise NotImplementedError
+        if until_idle and isinstance(broker, SupportsVirtualTime):
+            return VirtualClock(broker, self.broker.now)
+        return RealClock(self.broker.now, timer)
 
     def _count(self, counts: Mapping[str, int], message: Message | None = None) -> None:
         """``counts`` were just added to ``stats`` (the thread driver reports them)."""
-
-    def _move_time(self, *, can_fetch: bool) -> tuple[bool, list[Message]] | None:
-        """Nothing active: move virtual time to the next moment something can run
-        (:func:`msgpatterns.runtime.idle.jump`). None when nothing could (or the
-        broker refused: counted, logged); else whether a fetch may find something and
-        the retries now due."""
-        try:
-            return jump(self.broker, self.topics, self.group, self._scheduler,
-                        can_fetch=can_fetch)
-        except Exception:  # a closed broker, a refused jump: wait instead of dying
-            self.stats.broker_errors += 1
-            self._count({"broker_errors": 1})
-            self._log.exception("%s: moving virtual time failed", self.name)
-            return None
 
     def _deadline(self, message: Message) -> None:
         """The ack deadline of ``message`` passed: fail the delivery (AckTimeout)."""
@@ -141,7 +100,7 @@ class DriverBase:
             f"message {message.id} not acked within {self.ack_timeout:g}s "
             f"by handler {self.handler_name}"
         )
-        if message.expire(error):
+        if message.delivery.expire(message, error):
             self.stats.ack_timeouts += 1
             self._count({"ack_timeouts": 1}, message)
             self._log.warning("%s; failing the delivery", error,

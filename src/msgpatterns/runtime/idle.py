@@ -9,14 +9,16 @@ themselves and only the broker's clock may be moved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from msgpatterns.brokers.virtual_time import jump_to_next_due
 from msgpatterns.message import Message
 from msgpatterns.runtime.scheduler import RetryScheduler
+from msgpatterns.runtime.stats import ConsumerStats
 
-__all__ = ["jump"]
+__all__ = ["jump", "jump_or_none"]
 
 
 def jump(broker: Any, topics: Sequence[str], group: str,
@@ -30,3 +32,18 @@ def jump(broker: Any, topics: Sequence[str], group: str,
     if fetchable is None:
         return None
     return fetchable, scheduler.pop_due()
+
+
+def jump_or_none(broker: Any, topics: Sequence[str], group: str,
+                 scheduler: RetryScheduler[Message], *, can_fetch: bool,
+                 stats: ConsumerStats, count: Callable[[Mapping[str, int]], object],
+                 log: logging.Logger, name: str) -> tuple[bool, list[Message]] | None:
+    """:func:`jump`; a broker that refuses (closed...) is counted, logged and answered
+    with None: the driver waits instead of dying."""
+    try:
+        return jump(broker, topics, group, scheduler, can_fetch=can_fetch)
+    except Exception:
+        stats.broker_errors += 1
+        count({"broker_errors": 1})
+        log.exception("%s: moving virtual time failed", name)
+        return None

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from msgpatterns import headers as h
 from msgpatterns.deadletter import DeadLetter, DeadLetterStore, format_traceback
+from msgpatterns.delivery import Delivery, SettleCallback
 from msgpatterns.errors import NeedRetry, describe, printable
-from msgpatterns.message import Message, SettleCallback
+from msgpatterns.message import Message
 from msgpatterns.retry import Action, RetryPolicy, Verdict
 from msgpatterns.runtime.lifecycle import Released
 from msgpatterns.settlement import failure_headers
@@ -38,6 +39,7 @@ __all__ = [
     "Settled",
     "Settler",
     "StoreOp",
+    "retry_copy",
     "run_async",
     "run_sync",
 ]
@@ -99,19 +101,21 @@ class Settler:
     Args:
         policy: the consumer's :class:`RetryPolicy`.
         now: the broker's clock (failure times, dead-letter records).
-        group, name, handler_name: for records and logs.
+        group: the consumer group (dead-letter records, logs).
+        name: the consumer's name (logs).
+        handler_name: the handler's name (logs).
         own_store: dead letters go to the consumer's store (then the delivery is
             acked) instead of ``broker.dead_letter``.
         keep_redeliveries: ordered mode: a redelivery stays in the process as a retry
             copy that keeps its key (a broker redelivery would let later messages of
             the key overtake it).
-        rebind: the settle callback of retry copies.
+        rebind: where retry copies report their outcome (the driver's settling).
         log: the driver's logger.
     """
 
     def __init__(self, *, policy: RetryPolicy, now: Callable[[], float], group: str,
                  name: str, handler_name: str, own_store: bool, keep_redeliveries: bool,
-                 rebind: SettleCallback, log: logging.Logger) -> None:
+                 rebind: SettleCallback | None, log: logging.Logger) -> None:
         self.policy = policy
         self.now = now
         self.group = group
@@ -151,13 +155,13 @@ class Settler:
             self._log_failure(message, error, action, verdict.delay)
             delay = verdict.delay
             if action is Action.RETRY_LOCALLY:
-                retry = message.copy_for_retry(local=True)
+                retry = retry_copy(message, local=True)
                 counted.append("retried_locally")
             elif action is Action.REDELIVER:
                 # The failure history travels in the headers (it survives redelivery).
                 message.headers = failure_headers(message.headers, error, self.now())
                 if self.keep_redeliveries:
-                    retry = message.copy_for_retry(attempt=message.attempt + 1)
+                    retry = retry_copy(message, attempt=message.attempt + 1)
                     retry.headers[h.ATTEMPT] = str(retry.attempt)
                 else:
                     yield NackOp(message, delay)
@@ -180,7 +184,7 @@ class Settler:
                 if outcome is not None:
                     counted.append(outcome)
         if retry is not None:
-            retry.bind(self.rebind)
+            retry.delivery.bind(self.rebind)
         return Settled(counted, retry, delay)
 
     def ack_failed(self, message: Message, failure: Exception) -> Steps[Settled]:
@@ -287,26 +291,35 @@ class Settler:
             )
 
 
+def retry_copy(message: Message, *, attempt: int | None = None,
+               local: bool = False) -> Message:
+    """A fresh, unsettled copy of ``message`` for another attempt: the same value and
+    receipt, a new delivery (settle-once state). ``local=True``: an in-process retry
+    (``local_retries + 1``); otherwise a new ``attempt`` kept by the runtime, with
+    ``local_retries`` back at 0."""
+    clone = Message(
+        message.raw_body,
+        id=message.id,
+        key=message.key,
+        topic=message.topic,
+        headers=message.headers,
+        timestamp=message.timestamp,
+        attempt=message.attempt if attempt is None else attempt,
+        partition=message.partition,
+        offset=message.offset,
+        delivery=Delivery(message.receipt),
+    )
+    clone.local_retries = message.local_retries + 1 if local else 0
+    return clone
+
+
 def run_sync(steps: Steps[R], broker: Any, store: DeadLetterStore | None) -> R:
     """Carry out ``steps`` with a thread broker: each operation's failure is thrown
     back into the settlement, which settles another way."""
     try:
         op = next(steps)
         while True:
-            try:
-                if isinstance(op, AckOp):
-                    broker.ack(op.message)
-                elif isinstance(op, NackOp):
-                    broker.nack(op.message, op.delay)
-                elif isinstance(op, DeadLetterOp):
-                    broker.dead_letter(op.message, op.record)
-                else:
-                    assert store is not None
-                    store.put(op.record)
-            except Exception as exc:
-                op = steps.throw(exc)
-            else:
-                op = steps.send(None)
+            op = _advance(steps, _perform_sync(op, broker, store))
     except StopIteration as done:
         result: R = done.value
         return result
@@ -317,23 +330,47 @@ async def run_async(steps: Steps[R], broker: Any, store: DeadLetterStore | None)
     try:
         op = next(steps)
         while True:
-            try:
-                await _perform_async(op, broker, store)
-            except Exception as exc:
-                op = steps.throw(exc)
-            else:
-                op = steps.send(None)
+            op = _advance(steps, await _perform_async(op, broker, store))
     except StopIteration as done:
         result: R = done.value
         return result
 
 
-def _perform_async(op: Op, broker: Any, store: DeadLetterStore | None) -> Awaitable[object]:
-    if isinstance(op, AckOp):
-        return broker.ack(op.message)  # type: ignore[no-any-return]
-    if isinstance(op, NackOp):
-        return broker.nack(op.message, op.delay)  # type: ignore[no-any-return]
-    if isinstance(op, DeadLetterOp):
-        return broker.dead_letter(op.message, op.record)  # type: ignore[no-any-return]
-    assert store is not None
-    return asyncio.to_thread(store.put, op.record)
+def _advance(steps: Steps[R], failure: Exception | None) -> Op:
+    """The next operation, after the last one succeeded or raised ``failure``."""
+    return steps.send(None) if failure is None else steps.throw(failure)
+
+
+def _perform_sync(op: Op, broker: Any, store: DeadLetterStore | None) -> Exception | None:
+    """Perform ``op``; returns its failure instead of raising it."""
+    try:
+        if isinstance(op, AckOp):
+            broker.ack(op.message)
+        elif isinstance(op, NackOp):
+            broker.nack(op.message, op.delay)
+        elif isinstance(op, DeadLetterOp):
+            broker.dead_letter(op.message, op.record)
+        else:
+            assert store is not None
+            store.put(op.record)
+    except Exception as exc:
+        return exc
+    return None
+
+
+async def _perform_async(op: Op, broker: Any,
+                         store: DeadLetterStore | None) -> Exception | None:
+    """Perform ``op`` on an asyncio broker; returns its failure instead of raising it."""
+    try:
+        if isinstance(op, AckOp):
+            await broker.ack(op.message)
+        elif isinstance(op, NackOp):
+            await broker.nack(op.message, op.delay)
+        elif isinstance(op, DeadLetterOp):
+            await broker.dead_letter(op.message, op.record)
+        else:
+            assert store is not None
+            await asyncio.to_thread(store.put, op.record)
+    except Exception as exc:
+        return exc
+    return None

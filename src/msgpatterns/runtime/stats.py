@@ -1,11 +1,16 @@
-"""What a consumer did so far (both drivers count the same fields)."""
+"""What a consumer did so far (both drivers count the same fields), and the report
+of it to a telemetry listener."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["ConsumerStats"]
+from msgpatterns.message import Message
+from msgpatterns.observability import stats as _obs
+
+__all__ = ["ConsumerStats", "Reporter"]
 
 
 @dataclass
@@ -29,3 +34,26 @@ class ConsumerStats:
         """Add one to each named field (the caller serialises)."""
         for name in counted:
             setattr(self, name, getattr(self, name) + 1)
+
+
+class Reporter:
+    """Reports counts and settlements of ``owner`` (a consumer) to the installed
+    telemetry listener (:mod:`msgpatterns.observability.stats`); no cost without one."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def count(self, counts: Mapping[str, int], message: Message | None = None) -> None:
+        """``counts`` (ConsumerStats fields) were just added to."""
+        listener = _obs.listener
+        if listener is not None:
+            _obs.report(listener.consumer_counted, self.owner, counts, message)
+
+    def settled(self, message: Message, counted: list[str],
+                error: BaseException | None) -> None:
+        """``message`` was settled with ``error`` and counted as ``counted``."""
+        listener = _obs.listener
+        if listener is not None:
+            _obs.report(listener.delivery_settled, self.owner, message, counted, error)
