@@ -44,8 +44,7 @@ class Delivery(Generic[R]):
     :meth:`disable_auto_ack` change them.
     """
 
-    __slots__ = ("_handler_returned", "_lock", "_sink", "auto_ack", "error", "receipt",
-                 "settled")
+    __slots__ = ("_lock", "_sink", "auto_ack", "error", "receipt", "settled")
 
     def __init__(self, receipt: R) -> None:
         #: The adapter's handle for this delivery (what ack/nack/dead_letter need).
@@ -57,7 +56,6 @@ class Delivery(Generic[R]):
         self.settled = False
         #: The error the delivery was settled with, or None.
         self.error: BaseException | None = None
-        self._handler_returned = False
         self._sink: SettleCallback | None = None
 
     def disable_auto_ack(self) -> None:
@@ -72,19 +70,17 @@ class Delivery(Generic[R]):
 
     def finish(self, message: Message, error: BaseException | None) -> None:
         """Record the handler's outcome: settle on error, or on return under auto ack."""
-        self._handler_returned = True
         if error is not None:
             self.settle(message, error, source="handler")
         elif self.auto_ack:
             self.settle(message, None, source="auto")
 
     def settle_quietly(self) -> bool:
-        """For settling many successful deliveries at once: record that the handler
-        returned and settle as a success WITHOUT reporting to the sink (the caller does
-        that work for the whole batch). Only for auto ack. False, and nothing changes,
-        when it was settled already."""
+        """For settling many successful deliveries at once (their handler returned):
+        settle as a success WITHOUT reporting to the sink (the caller does that work for
+        the whole batch). Only for auto ack. False, and nothing changes, when it was
+        settled already."""
         with self._lock:
-            self._handler_returned = True
             if self.settled:
                 return False
             self.settled = True

@@ -74,6 +74,12 @@ class Slots:
         self.settled += 1
         return run, give_back
 
+    def free_one_acked(self, message: Message) -> None:
+        """One successful delivery was acked (the hot path of a per-message handler)."""
+        self.held.pop(message, None)
+        self.stats.acked += 1
+        self.settled += 1
+
     def free_acked(self, messages: Iterable[Message]) -> None:
         """Successful deliveries were acked (the hot path: no gate, no retry)."""
         pop = self.held.pop

@@ -65,7 +65,7 @@ class ThreadSettling:
                 return
             fetcher = self.fetcher
             with fetcher.lock:
-                fetcher.slots.free_acked((message,))
+                fetcher.slots.free_one_acked(message)
                 fetcher.wake()
             return
         settled = Settled(["broker_errors"])
