@@ -68,6 +68,9 @@ aio_pika = require("aio_pika", "rabbitmq")
 
 __all__ = ["AsyncRabbitMQBroker"]
 
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "an AsyncRabbitMQBroker"
+
 log = logging.getLogger("msgpatterns.aio.rabbitmq")
 
 _AUTH_ERRORS = (aio_pika.exceptions.ProbableAuthenticationError,
@@ -204,7 +207,7 @@ class AsyncRabbitMQBroker:
                     return out
 
     async def ack(self, message: Message) -> None:
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         try:
             await r.incoming.ack()
         except Exception as exc:
@@ -214,7 +217,7 @@ class AsyncRabbitMQBroker:
     async def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds (through a TTL retry queue) with
         ``attempt + 1``, the original payload and id, and the current headers."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         try:
             checked = seconds(delay) or 0.0
             ms = delay_bucket_ms(checked) if checked > 0 else 0
@@ -225,7 +228,7 @@ class AsyncRabbitMQBroker:
 
     async def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to the group's dead-letter queue (confirmed), then ack."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         try:
             payload, props = dead_letter_wire(record)
             dlq = await self._declare_queue(
@@ -420,7 +423,8 @@ class AsyncRabbitMQBroker:
         """A prefetched delivery no handler saw goes back with its own attempt number
         (a requeue would count as an attempt on a quorum queue)."""
         try:
-            await self._move(_receipt_of(message), message, 0, attempt=message.attempt)
+            await self._move(receipt_of(message, _Receipt, _OWNER), message, 0,
+                             attempt=message.attempt)
         except Exception:
             log.warning("%s: giving back %s failed; the server redelivers it", self.name,
                         message.id, exc_info=True)
@@ -435,8 +439,3 @@ class AsyncRabbitMQBroker:
 
     def __repr__(self) -> str:
         return f"AsyncRabbitMQBroker(name={self.name!r})"
-
-
-def _receipt_of(message: Message) -> _Receipt:
-    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
-    return receipt_of(message, _Receipt, "an AsyncRabbitMQBroker")

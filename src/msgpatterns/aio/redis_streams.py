@@ -59,6 +59,9 @@ aioredis: Any = importlib.import_module("redis.asyncio")
 
 __all__ = ["AsyncRedisStreamsBroker"]
 
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a Redis Streams broker"
+
 log = logging.getLogger("msgpatterns.aio.redis")
 
 T = TypeVar("T")
@@ -221,7 +224,7 @@ class AsyncRedisStreamsBroker:
     async def ack(self, message: Message) -> None:
         """XACK the delivery (and XDEL a retry-stream entry) now."""
         self._check_open()
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
 
         async def send() -> None:
             if not r.retry:
@@ -420,7 +423,7 @@ class AsyncRedisStreamsBroker:
 
     async def _redeliver(self, message: Message, delay: float,
                          attempt: int | None = None) -> None:
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = _entry(body_bytes(message.raw_body),
                         codec.redelivery_headers(message, group=r.group, attempt=attempt))
         if delay > 0:
@@ -438,7 +441,7 @@ class AsyncRedisStreamsBroker:
             log.debug("nack of %s ignored: claimed by another consumer", message.id)
 
     async def _bury(self, message: Message, record: DeadLetter) -> None:
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = _entry(codec.dead_letter_body(record), codec.dead_letter_headers(record))
         moved = await self._move(r, _dead_letter_stream(r.topic), "stream", fields,
                                  maxlen=self.dead_letter_maxlen)
@@ -458,8 +461,3 @@ class AsyncRedisStreamsBroker:
 
     def __repr__(self) -> str:
         return f"AsyncRedisStreamsBroker(consumer={self.consumer!r})"
-
-
-def _receipt_of(message: Message) -> _Receipt:
-    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
-    return receipt_of(message, _Receipt, "a Redis Streams broker")

@@ -77,6 +77,9 @@ kafka = require("confluent_kafka", "kafka")
 
 __all__ = ["KafkaBroker", "OffsetTracker"]
 
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a KafkaBroker"
+
 log = logging.getLogger("msgpatterns.brokers.kafka")
 
 #: Header of a dead-letter-topic marker record: the records it removes, as JSON.
@@ -463,14 +466,14 @@ class KafkaBroker:
         """Mark the record settled; the next fetch (or :meth:`commit`, or
         :meth:`close`) commits the contiguous settled prefix."""
         with self._life.operation("ack"):
-            self._settled(_receipt_of(message))
+            self._settled(receipt_of(message, _Receipt, _OWNER))
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Produce the retry (original payload, current headers, ``attempt + 1``, due
         in ``delay`` seconds) to ``<topic>.retry``; once confirmed, the record is
         settled."""
         with self._life.operation("nack"):
-            r = _receipt_of(message)
+            r = receipt_of(message, _Receipt, _OWNER)
             if self._stale(r):
                 log.debug("nack of %s ignored: its partition was revoked", message.id)
                 return
@@ -483,7 +486,7 @@ class KafkaBroker:
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Produce the record to ``<topic>.DLT``; once confirmed, the record is settled."""
         with self._life.operation("dead_letter"):
-            r = _receipt_of(message)
+            r = receipt_of(message, _Receipt, _OWNER)
             if self._stale(r):
                 log.debug("dead letter of %s ignored: its partition was revoked",
                           message.id)
@@ -967,8 +970,3 @@ class KafkaBroker:
 
     def __repr__(self) -> str:
         return f"KafkaBroker({self._base.get('bootstrap.servers')!r})"
-
-
-def _receipt_of(message: Message) -> _Receipt:
-    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
-    return receipt_of(message, _Receipt, "a KafkaBroker")

@@ -31,6 +31,9 @@ from msgpatterns.message import Message
 
 __all__ = ["BrokerEvent", "BrokerStats", "InMemoryBroker", "VirtualClock"]
 
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "this InMemoryBroker"
+
 log = logging.getLogger("msgpatterns.brokers.memory")
 
 
@@ -294,7 +297,7 @@ class InMemoryBroker:
                 self._cond.wait(wait)
 
     def ack(self, message: Message) -> None:
-        receipt = _receipt_of(message)
+        receipt = receipt_of(message, _Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -320,7 +323,7 @@ class InMemoryBroker:
         """Redeliver after ``delay`` seconds (virtual). A negative, NaN, infinite or
         huge delay raises ConfigurationError and changes nothing."""
         delay = _duration(delay, "nack delay")
-        receipt = _receipt_of(message)
+        receipt = receipt_of(message, _Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -339,7 +342,7 @@ class InMemoryBroker:
             self._cond.notify_all()
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
-        receipt = _receipt_of(message)
+        receipt = receipt_of(message, _Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -536,8 +539,3 @@ class InMemoryBroker:
 def _check_topic(topic: object) -> None:
     if not isinstance(topic, str) or not topic:
         raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
-
-
-def _receipt_of(message: Message) -> _Receipt:
-    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
-    return receipt_of(message, _Receipt, "this InMemoryBroker")

@@ -61,6 +61,9 @@ from nats.js import errors as js_errors  # noqa: E402
 
 __all__ = ["NatsJetStreamBroker"]
 
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a NatsJetStreamBroker"
+
 log = logging.getLogger("msgpatterns.brokers.nats")
 
 T = TypeVar("T")
@@ -213,7 +216,7 @@ class NatsJetStreamBroker:
     def ack(self, message: Message) -> None:
         """Acknowledge; the ack is sent on the I/O thread without waiting (a lost ack
         means a redelivery, never a loss). :meth:`close` flushes what is queued."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         self._submit(r.msg.ack())
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
@@ -223,7 +226,7 @@ class NatsJetStreamBroker:
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to ``T.__dlq`` (confirmed), then ack the delivery."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         self._run(self._publish(
             r.topic, self.dead_letter_subject(r.topic), codec.dead_letter_body(record),
             codec.dead_letter_headers(record), None,
@@ -492,7 +495,7 @@ class NatsJetStreamBroker:
         return message
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         due = time.time() + delay if delay > 0 else None
         wire = codec.redelivery_headers(message, group=r.group, due_at=due, attempt=attempt)
         if due is not None:
@@ -574,8 +577,3 @@ class NatsJetStreamBroker:
 
     def __repr__(self) -> str:
         return f"NatsJetStreamBroker({self._where()!r}, name={self.name!r})"
-
-
-def _receipt_of(message: Message) -> _Receipt:
-    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
-    return receipt_of(message, _Receipt, "a NatsJetStreamBroker")

@@ -98,6 +98,9 @@ pika = require("pika", "rabbitmq")
 
 __all__ = ["MAX_DELAY_MS", "RabbitMQBroker", "delay_bucket_ms"]
 
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a RabbitMQBroker"
+
 log = logging.getLogger("msgpatterns.brokers.rabbitmq")
 
 T = TypeVar("T")
@@ -540,7 +543,7 @@ class RabbitMQBroker:
     def ack(self, message: Message) -> None:
         """Ack the delivery (does not wait; a lost connection redelivers it; queued acks
         are sent by :meth:`close`)."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         self._submit(lambda channel: self._settle(channel, r), wait=False)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
@@ -552,7 +555,7 @@ class RabbitMQBroker:
         :class:`~msgpatterns.errors.ConfigurationError` after handing the delivery back
         to its queue: a refused settlement never leaves a delivery unacked.
         """
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         try:
             checked = seconds(delay) or 0.0
             delay_bucket_ms(checked)
@@ -566,7 +569,7 @@ class RabbitMQBroker:
         """Publish the record to the group's dead-letter queue, then ack. Texts are
         made encodable first; if the publish still fails, the delivery is handed back
         to its queue and the error raised."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         with self._errors("dead_letter"):
             self._call(lambda channel: self._dead_letter_now(channel, r, record))
 
@@ -1003,7 +1006,7 @@ class RabbitMQBroker:
                  attempt: int | None = None) -> None:
         """Publish the redelivery copy (through a retry queue when delayed), confirmed,
         then ack the delivery."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         if r.generation != self._generation:
             return  # the connection that delivered it is gone: the server redelivers it
         with self._or_hand_back(r):
@@ -1197,8 +1200,3 @@ class RabbitMQBroker:
 
     def __repr__(self) -> str:
         return f"RabbitMQBroker(name={self.name!r})"
-
-
-def _receipt_of(message: Message) -> _Receipt:
-    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
-    return receipt_of(message, _Receipt, "a RabbitMQBroker")

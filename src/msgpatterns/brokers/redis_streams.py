@@ -90,6 +90,9 @@ _AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 
 __all__ = ["RedisStreamsBroker"]
 
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a RedisStreamsBroker"
+
 log = logging.getLogger("msgpatterns.brokers.redis")
 
 # Move one delivery of this consumer to a target (a stream, or the delayed set) and ack
@@ -444,7 +447,7 @@ class RedisStreamsBroker:
 
     def ack(self, message: Message) -> None:
         """Queue the ack (see the batching note above); :meth:`flush` sends it now."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks([r])
@@ -462,7 +465,7 @@ class RedisStreamsBroker:
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
-        receipts = [_receipt_of(message) for message in messages]
+        receipts = [receipt_of(message, _Receipt, _OWNER) for message in messages]
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks(receipts)
@@ -497,7 +500,7 @@ class RedisStreamsBroker:
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None = None) -> None:
         """Move the delivery to the retry path (the delayed set when ``delay`` > 0)."""
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = self._entry(
             body_bytes(message.raw_body),
             codec.redelivery_headers(message, group=r.group, attempt=attempt),
@@ -523,7 +526,7 @@ class RedisStreamsBroker:
         self._bury(message, record)
 
     def _bury(self, message: Message, record: DeadLetter) -> None:
-        r = _receipt_of(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = self._entry(codec.dead_letter_body(record), codec.dead_letter_headers(record))
         moved = self._move(r, self.dead_letter_stream(r.topic), "stream", fields,
                            maxlen=self.dead_letter_maxlen)
@@ -936,7 +939,7 @@ class RedisStreamsBroker:
             taken: list[Message] = []
             kept: list[Message] = []
             for m in self._overflow:
-                r = _receipt_of(m)
+                r = receipt_of(m, _Receipt, _OWNER)
                 if len(taken) < limit and r.group == group and r.topic in topics:
                     taken.append(m)
                 else:
@@ -974,8 +977,3 @@ class RedisStreamsBroker:
 
     def __repr__(self) -> str:
         return f"RedisStreamsBroker(consumer={self.consumer!r})"
-
-
-def _receipt_of(message: Message) -> _Receipt:
-    """``message``'s receipt, checked (ConfigurationError for a foreign message)."""
-    return receipt_of(message, _Receipt, "a RedisStreamsBroker")

@@ -9,6 +9,8 @@ runs, its outcome goes to the :mod:`.settler` (``RetryPolicy.decide`` -> broker 
 :mod:`.scheduler` (one :mod:`.clock`: real, or virtual for ``run_until_idle`` with the
 :mod:`.idle` driver). Ordered mode passes each message through the key :mod:`.gate`.
 
+* :mod:`.fetcher` - the thread driver's fetching, flow control and ready queue.
+* :mod:`.settling` - where the thread driver's deliveries report their outcome.
 * :mod:`.gate` - ordered mode: one message per key at a time, in delivery order.
 * :mod:`.clock` - real or virtual time for delayed retries; the asyncio timer.
 * :mod:`.scheduler` - delayed retries on that clock (timers stopped with the consumer).
@@ -16,7 +18,8 @@ runs, its outcome goes to the :mod:`.settler` (``RetryPolicy.decide`` -> broker 
 * :mod:`.flow` - the slots (``max_in_flight``) and what frees them.
 * :mod:`.idle` - moving virtual time when nothing can run (``run_until_idle``).
 * :mod:`.rounds` - the claim rounds of batch-claimed ``@idempotent`` handlers.
-* :mod:`.lifecycle`, :mod:`.options`, :mod:`.stats` - states, checked options, counts.
+* :mod:`.driver`, :mod:`.lifecycle`, :mod:`.options`, :mod:`.stats` - what both drivers
+  hold: checked options, states, counts and their report to telemetry.
 
 These are internals: their names may change between releases.
 """
