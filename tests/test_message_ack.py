@@ -153,7 +153,7 @@ def test_forgotten_ack_is_redelivered_and_can_then_succeed(fake_broker: InMemory
 def test_expire_loses_to_an_earlier_ack() -> None:
     message = Message(b"x")
     message.ack()
-    assert message.expire(AckTimeout("too late")) is False
+    assert message.delivery.expire(message, AckTimeout("too late")) is False
     assert message.succeeded
 
 

@@ -24,42 +24,43 @@ Guarantees:
 
 from __future__ import annotations
 
-import enum
 import logging
 import signal
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from msgpatterns import headers as h
 from msgpatterns._callables import require_sync_callable
-from msgpatterns.brokers.base import Broker, SupportsAckMany
-from msgpatterns.brokers.virtual_time import jump_to_next_due
-from msgpatterns.deadletter import DeadLetter, DeadLetterStore, format_traceback
+from msgpatterns.brokers.base import Broker
+from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
 from msgpatterns.errors import (
-    AckTimeout,
-    BrokerClosed,
     ConfigurationError,
     MalformedMessage,
-    NeedRetry,
     PartialFailure,
     describe,
-    printable,
     seconds,
 )
 from msgpatterns.idempotency.batch import BatchGuard, Entry, guard_of
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.ordering.executor import OrderedExecutor
-from msgpatterns.retry import Action, RetryPolicy, Verdict
-from msgpatterns.settlement import failure_headers
-from msgpatterns.timer import TimerHandle, TimingWheel
+from msgpatterns.retry import RetryPolicy
+from msgpatterns.runtime.driver import DriverBase
+from msgpatterns.runtime.fetcher import Fetcher
+from msgpatterns.runtime.gate import KeyGate, ordering_key
+from msgpatterns.runtime.lifecycle import Released
+from msgpatterns.runtime.lifecycle import State as _State
+from msgpatterns.runtime.options import duration as _options_duration
+from msgpatterns.runtime.options import topic_list
+from msgpatterns.runtime.rounds import Claimed as _Claimed
+from msgpatterns.runtime.rounds import Round as _Round
+from msgpatterns.runtime.settling import ThreadSettling
+from msgpatterns.runtime.stats import ConsumerStats, Reporter
+from msgpatterns.timer import TimingWheel
 
 if TYPE_CHECKING:
     from msgpatterns.observability.stats import Health
@@ -73,44 +74,17 @@ Handler = Callable[[Message], Any]
 BatchHandler = Callable[[list[Message]], Any]
 
 
-class _Released(Exception):
-    """Internal: the consumer is stopping and hands the message back unprocessed."""
+#: Former private names, kept for code that imported them.
+_Released = Released
+_KeyGate = KeyGate
 
 
 #: Per thread: the Consumer whose worker, pump or lane thread this is (stop() from
 #: one of them only requests the stop: waiting there would wait for itself).
 _own_thread = threading.local()
 
-#: Delay of a fallback redelivery when the retry policy could not decide.
-_FALLBACK_DELAY = 1.0
 
-
-@dataclass
-class ConsumerStats:
-    """What the consumer did so far."""
-
-    fetched: int = 0
-    acked: int = 0
-    failed: int = 0
-    retried_locally: int = 0
-    redelivered: int = 0
-    dead_lettered: int = 0
-    ack_timeouts: int = 0
-    released: int = 0
-    broker_errors: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class _State(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-class Consumer:
+class Consumer(DriverBase):
     """Runs ``handler`` for every message of ``topics`` in consumer ``group``.
 
     Args:
@@ -163,6 +137,8 @@ class Consumer:
     To stop the consumer from a handler, call :meth:`stop` there.
     """
 
+    broker: Broker
+
     def __init__(
         self,
         broker: Broker,
@@ -191,15 +167,13 @@ class Consumer:
         require_sync_callable(handler, what="handler", where="Consumer")
         if decoder is not None:
             require_sync_callable(decoder, what="decoder", where="Consumer")
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise ConfigurationError(
-                f"Consumer retry must be a RetryPolicy or None, got {type(retry).__name__}"
-            )
-        if dead_letters is not None and not callable(getattr(dead_letters, "put", None)):
-            raise ConfigurationError(
-                "Consumer dead_letters must be a DeadLetterStore (with put(record)) or "
-                f"None, got {type(dead_letters).__name__}"
-            )
+        self._configure(
+            "Consumer", broker=broker, handler=handler, topics=topics, group=group,
+            retry=retry, ordered=ordered, max_in_flight=max_in_flight,
+            ack_timeout=ack_timeout, decoder=decoder, dead_letters=dead_letters,
+            poll_timeout=poll_timeout, shutdown_timeout=shutdown_timeout,
+            fetch_batch=fetch_batch, name=name, default_name=f"msgpatterns-{group}",
+            counts={"workers": workers}, log=log)
         if not isinstance(batch, bool):
             raise ConfigurationError(f"Consumer batch must be True or False, got {batch!r}")
         if batch and ordered:
@@ -208,17 +182,6 @@ class Consumer:
                 "mode runs each key's messages one at a time; use a per-message handler "
                 "with ordered=True (an @idempotent one still claims per batch)"
             )
-        if not isinstance(group, str) or not group:
-            raise ConfigurationError(f"Consumer group must be a non-empty string, got {group!r}")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ConfigurationError(f"Consumer name must be a non-empty string, got {name!r}")
-        for option, value in (("workers", workers), ("max_in_flight", max_in_flight),
-                              ("fetch_batch", fetch_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(
-                    f"Consumer {option} must be an int of at least 1, got {value!r}"
-                )
-        self.broker = broker
         self.handler: Callable[[Any], Any] = handler
         self.batch = batch
         #: The batch claims of an @idempotent handler (None: plain, or one transaction
@@ -228,54 +191,43 @@ class Consumer:
         self._plain_decide = type(retry).decide is RetryPolicy.decide if retry else True
         #: Recent seconds per run of a batch-claimed handler (sizes the batch claims).
         self._pace = 0.0
-        #: A success is a plain ack: no key gate to release, no custom decide (set by
-        #: start()).
-        self._plain_acks = False
-        self._ack_many = broker.ack_many if isinstance(broker, SupportsAckMany) else None
-        self.topics = _topic_list(topics)
-        self.group = group
         self.workers = workers
-        self.retry = retry if retry is not None else RetryPolicy()
-        self.ordered = bool(ordered)
-        self.max_in_flight = max_in_flight
-        self.ack_timeout = _duration(ack_timeout, "ack_timeout") or 0.0
-        self.decoder = decoder
-        self.dead_letters = dead_letters
-        poll = _duration(poll_timeout, "poll_timeout")
-        if not poll:
-            raise ConfigurationError(
-                f"Consumer poll_timeout must be positive, got {poll_timeout!r}"
-            )
-        self.poll_timeout: float = poll
-        self.shutdown_timeout = _duration(shutdown_timeout, "shutdown_timeout")
-        self.fetch_batch = fetch_batch
-        self.name = name or f"msgpatterns-{group}"
-        self.handler_name = getattr(handler, "__qualname__", None) or repr(handler)
-        self.stats = ConsumerStats()
 
-        self._lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
-        self._cond = threading.Condition(self._lock)
-        # messages to run (and, for batch claims, claimed messages to run: _Claimed)
-        self._ready: deque[Message | _Claimed] = deque()
-        # message -> when it was fetched (monotonic; a retry copy keeps its original's)
-        self._in_flight: dict[Message, float] = {}
-        self._last_fetch: tuple[float, bool] | None = None  # (time.time(), succeeded)
-        self._retry_timers: dict[Message, TimerHandle] = {}
-        self._held: dict[Message, float] = {}  # ordered delayed retries: due (broker clock)
-        self._fetching = False
-        self._waiting = 0
-        self._state = _State.NEW
-        self._until_idle = False
-        self._settled_count = 0
         self._threads: list[threading.Thread] = []
         self._stop_requested = threading.Event()
         self._stopping = threading.Lock()  # one stop() at a time finishes the stop
-        # The wheel (and the deadline tracker on it) is made per start() and stopped by
-        # stop(): a stopped consumer leaves no timer thread behind.
+        # The wheel (the ack deadlines and the retry timers on it) is made per start()
+        # and stopped by stop(): a stopped consumer leaves no timer thread behind.
         self._wheel = self._new_wheel()
         self._deadlines: DeadlineTracker[Message] | None = None
-        self._gate: _KeyGate | None = None
         self._lanes: OrderedExecutor | None = None
+        self._gate: KeyGate | None = None
+        self._reporter = Reporter(self)
+        #: Fetching, flow control, the ready queue, the slots and the retry scheduler.
+        self._fetcher = Fetcher(
+            broker=broker, topics=self.topics, group=group, max_in_flight=max_in_flight,
+            fetch_batch=fetch_batch, poll_timeout=self.poll_timeout, stats=self.stats,
+            settler=self._settler, reporter=self._reporter,
+            stop_requested=self._stop_requested, name=self.name, log=log)
+        #: Where deliveries report their outcome (settler -> broker -> freed slot).
+        self._settling = ThreadSettling(
+            broker=broker, settler=self._settler, fetcher=self._fetcher,
+            dead_letters=dead_letters, reporter=self._reporter, log=log)
+        self._fetcher.sink = self._settler.rebind = self._settling.on_settled
+
+    @property
+    def _state(self) -> _State:
+        """The lifecycle state (kept by the fetcher, under its lock)."""
+        return self._fetcher.state
+
+    @_state.setter
+    def _state(self, state: _State) -> None:
+        self._fetcher.state = state
+
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched and not yet settled."""
+        return len(self._fetcher.slots)
 
     def _new_wheel(self) -> TimingWheel:
         return TimingWheel(tick=0.01, slots=1024, name=f"{self.name}-timer")
@@ -284,7 +236,7 @@ class Consumer:
 
     def start(self) -> None:
         """Start the worker threads and return."""
-        with self._cond:
+        with self._fetcher.cond:
             if self._state is _State.RUNNING:
                 return
             if self._state is _State.STOPPING:
@@ -296,10 +248,12 @@ class Consumer:
                 DeadlineTracker(self._wheel, self.ack_timeout, self._deadline)
                 if self.ack_timeout > 0 else None
             )
+            self._gate = KeyGate() if self.ordered else None
+            self._fetcher.reset(self._retry_clock(self._wheel, self._fetcher.until_idle),
+                                self._gate)
             if self.ordered:
                 # One thread fetches and admits; handlers run on the executor's lanes,
                 # each key always on the lane that owns its logic partition.
-                self._gate = _KeyGate()
                 self._lanes = OrderedExecutor(self.workers, name=f"{self.name}-ordered")
                 self._threads = [
                     threading.Thread(target=self._pump, name=f"{self.name}-pump", daemon=True)
@@ -313,7 +267,8 @@ class Consumer:
                     )
                     for i in range(self.workers)
                 ]
-        self._plain_acks = self._gate is None and self._plain_decide
+        self._settling.deadlines = self._deadlines
+        self._settling.plain_acks = self._gate is None and self._plain_decide
         for thread in self._threads:
             thread.start()
 
@@ -343,35 +298,32 @@ class Consumer:
             return self._stop(limit)
 
     def _stop(self, limit: float | None) -> bool:
-        with self._cond:
+        with self._fetcher.cond:
             if self._state in (_State.NEW, _State.STOPPED):
                 self._state = _State.STOPPED
                 return True
             self._state = _State.STOPPING
-            self._wake()
+            self._fetcher.wake()
             give_up = None if limit is None else time.monotonic() + limit
             while True:
-                if self._fetching:  # its messages are handed back; bounded by poll_timeout
-                    self._wait(self.poll_timeout)
+                if self._fetcher.fetching:  # its messages are handed back; bounded by poll_timeout
+                    self._fetcher.wait(self.poll_timeout)
                     continue
-                if not self._in_flight:
+                if not self._fetcher.slots:
                     break
                 left = None if give_up is None else give_up - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._wait(left)
-            leftovers = list(self._in_flight)
-            self._ready.clear()
-            self._held.clear()
+                self._fetcher.wait(left)
+            leftovers = list(self._fetcher.slots.held)
+            self._fetcher.ready.clear()
+            self._fetcher.scheduler.clear()
         for message in leftovers:
-            timer = self._retry_timers.pop(message, None)
-            if timer is not None:
-                timer.cancel()
-            message.expire(_Released("consumer stopped"))
-        with self._cond:
+            message.delivery.expire(message, Released("consumer stopped"))
+        with self._fetcher.cond:
             self._state = _State.STOPPED
-            self._ready.clear()
-            self._wake()
+            self._fetcher.ready.clear()
+            self._fetcher.wake()
             threads, self._threads = self._threads, []
             lanes, self._lanes = self._lanes, None
         current = threading.current_thread()
@@ -381,16 +333,15 @@ class Consumer:
         if lanes is not None:
             lanes.shutdown(wait=True)  # queued tasks of released messages run no handler
         self._wheel.stop()
-        self._retry_timers.clear()
         self._stop_requested.set()
         return not leftovers
 
     def _request_stop(self) -> None:
         """Ask for a stop without waiting (from a thread of this consumer)."""
-        with self._cond:
+        with self._fetcher.cond:
             if self._state is _State.RUNNING:
                 self._state = _State.STOPPING
-                self._wake()
+                self._fetcher.wake()
         self._stop_requested.set()
 
     def run(self) -> None:
@@ -419,12 +370,12 @@ class Consumer:
         :meth:`stop` from a handler ends it early (in-flight work finishes first).
         """
         limit = seconds(timeout)
-        with self._cond:
-            self._until_idle = True
+        with self._fetcher.cond:
+            self._fetcher.until_idle = True
         self.start()
         idle = self._stop_requested.wait(limit)
-        with self._cond:
-            self._until_idle = False
+        with self._fetcher.cond:
+            self._fetcher.until_idle = False
         if not idle:
             self.stop(0)
             raise TimeoutError(f"{self.name} not idle after {limit}s: {self.stats}")
@@ -435,30 +386,12 @@ class Consumer:
         log.info("%s: signal %s, shutting down", self.name, signum)
         self._stop_requested.set()
 
-    @property
-    def in_flight(self) -> int:
-        """Messages fetched and not yet settled."""
-        return len(self._in_flight)
-
     # -- worker loop ----------------------------------------------------------------
-
-    def _wait(self, timeout: float | None = None) -> None:
-        """Wait on the condition (lock held), counted so that wakes are skipped when
-        nobody waits: settlement is the hot path."""
-        self._waiting += 1
-        try:
-            self._cond.wait(timeout)
-        finally:
-            self._waiting -= 1
-
-    def _wake(self) -> None:
-        if self._waiting:
-            self._cond.notify_all()
 
     def _work(self) -> None:
         _own_thread.consumer = self
         while True:
-            message: Message | None = self._next()  # type: ignore[assignment]  # no _Claimed
+            message: Message | None = self._fetcher.next()  # type: ignore[assignment]  # no _Claimed
             if message is None:
                 return
             try:
@@ -474,7 +407,7 @@ class Consumer:
         assert gate is not None and lanes is not None
         try:
             while True:
-                message: Message | None = self._next()  # type: ignore[assignment]
+                message: Message | None = self._fetcher.next()  # type: ignore[assignment]
                 if message is None:
                     return
                 if self._guard is not None:  # claim what is admitted now, as one batch
@@ -483,7 +416,7 @@ class Consumer:
                     if admitted:
                         self._execute_round_safely(admitted, lanes)
                 elif gate.admit(message):
-                    lanes.submit(_KeyGate.key(message), self._execute_on_lane, message)
+                    lanes.submit(ordering_key(message), self._execute_on_lane, message)
         finally:
             lanes.shutdown(wait=False)
 
@@ -494,162 +427,6 @@ class Consumer:
         except BaseException:  # the lane survives whatever happens
             log.exception("%s: running message %s failed", self.name, message.id,
                           extra=self._log_extra(message))
-
-    def _next(self) -> Message | _Claimed | None:
-        """The next message to run, fetching when needed; None when the worker exits."""
-        try:
-            return self._ready.popleft()  # the common case needs no lock (deque is atomic)
-        except IndexError:
-            pass
-        while True:
-            with self._cond:
-                while True:
-                    if self._ready:
-                        return self._ready.popleft()
-                    if self._state is _State.STOPPED:
-                        return None
-                    if self._state is _State.STOPPING:
-                        if not self._in_flight:
-                            return None
-                        self._wait()
-                        continue
-                    free = self.max_in_flight - len(self._in_flight)
-                    if self._fetching:
-                        self._wait(self.poll_timeout)
-                        continue
-                    if free <= 0:
-                        # Full: only a held retry coming due can free a slot.
-                        if not (self._until_idle and self._nothing_active()
-                                and self._jump(can_fetch=False)):
-                            self._wait(self.poll_timeout)
-                        continue
-                    self._fetching = True
-                    until_idle = self._until_idle
-                    generation = self._settled_count
-                    break
-            messages = self._fetch(min(free, self.fetch_batch), 0.0 if until_idle else None)
-            with self._cond:
-                if messages and self._state is not _State.RUNNING:
-                    stopping = True  # stop() waits for _fetching: hand them back first
-                else:
-                    stopping = False
-                    self._fetching = False
-                    if messages:
-                        for message in messages:
-                            message.bind(self._on_settled)
-                        self.stats.fetched += len(messages)
-                        self._in_flight.update(dict.fromkeys(messages, time.monotonic()))
-                        if _obs.listener is not None:
-                            self._report({"fetched": len(messages)})
-                        self._ready.extend(messages[1:])
-                        self._wake()
-                        return messages[0]
-                    self._wake()
-            if stopping:
-                self._hand_back(messages)
-                continue
-            with self._cond:
-                if not until_idle or self._state is not _State.RUNNING or self._ready:
-                    continue
-                if not self._nothing_active():
-                    if self._settled_count == generation:
-                        self._wait(self.poll_timeout)
-                elif not self._jump(can_fetch=True):
-                    if self._in_flight:  # holds due later in real time
-                        self._wait(self.poll_timeout)
-                    else:
-                        self._finish_idle()
-                        return None
-
-    def _hand_back(self, messages: list[Message]) -> None:
-        """A fetch returned after stop() was called: nack its messages unprocessed,
-        then let stop() go on."""
-        errors = 0
-        for message in messages:
-            try:
-                self.broker.nack(message, 0.0)
-            except Exception:
-                errors += 1
-                log.exception("%s: handing message %s back failed", self.name, message.id,
-                              extra=self._log_extra(message))
-        with self._cond:
-            self.stats.fetched += len(messages)
-            self.stats.released += len(messages) - errors
-            self.stats.broker_errors += errors
-            self._fetching = False
-            self._wake()
-        if _obs.listener is not None:
-            self._report({"fetched": len(messages), "released": len(messages) - errors,
-                          "broker_errors": errors})
-
-    def _nothing_active(self) -> bool:
-        """Lock held: every in-flight message is parked behind its key or held for a
-        delayed retry, so no handler or ack can change what becomes due."""
-        parked = self._gate.parked if self._gate is not None else 0
-        return len(self._in_flight) == parked + len(self._held)
-
-    def _jump(self, *, can_fetch: bool) -> bool:
-        """Lock held, nothing active: move virtual time to the next moment something can
-        run - a held retry coming due, or (when a slot is free to fetch it) the broker's
-        next due delivery - and release the holds now due. True when that made progress
-        possible; False when nothing could move (the caller then waits or finishes)."""
-        try:
-            fetchable = jump_to_next_due(self.broker, self.topics, self.group, self._held,
-                                         can_fetch=can_fetch)
-        except Exception:  # a closed broker, a refused jump: wait instead of dying
-            self.stats.broker_errors += 1
-            if _obs.listener is not None:
-                self._report({"broker_errors": 1})
-            log.exception("%s: moving virtual time failed", self.name)
-            return False
-        if fetchable is None:
-            return False
-        released = self._release_due_holds()
-        return released or fetchable
-
-    def _release_due_holds(self) -> bool:
-        now = self.broker.now()
-        due = [m for m, at in self._held.items() if at <= now]
-        for message in due:
-            del self._held[message]
-            timer = self._retry_timers.pop(message, None)
-            if timer is not None:
-                timer.cancel()
-            self._ready.append(message)
-        return bool(due)
-
-    def _fetch(self, count: int, timeout: float | None) -> list[Message]:
-        try:
-            messages = self.broker.fetch(
-                self.topics, self.group, max_messages=count,
-                timeout=self.poll_timeout if timeout is None else timeout,
-            )
-            self._last_fetch = (time.time(), True)
-            return messages
-        except BrokerClosed:
-            self._last_fetch = (time.time(), False)
-            # The broker was closed under a running consumer: nothing more can be
-            # fetched or settled, so stop (what is in flight is handed back).
-            if self._state is _State.RUNNING:
-                log.error("%s: the broker was closed while consuming; stopping", self.name)
-                self._stop_requested.set()
-            with self._cond:
-                self._wait(self.poll_timeout)
-            return []
-        except Exception:
-            self._last_fetch = (time.time(), False)
-            with self._cond:
-                self.stats.broker_errors += 1
-            if _obs.listener is not None:
-                self._report({"broker_errors": 1})
-            log.exception("%s: fetch failed; retrying", self.name)
-            time.sleep(min(self.poll_timeout, 1.0))
-            return []
-
-    def _finish_idle(self) -> None:
-        self._state = _State.STOPPING
-        self._stop_requested.set()
-        self._wake()
 
     # -- one delivery ---------------------------------------------------------------
 
@@ -672,11 +449,11 @@ class Consumer:
         except BaseException as exc:  # SystemExit & co fail the message, not the worker
             error = exc
         if scope is None:
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
             return
         _obs.report(scope.handler_returned, error)
         try:  # the settlement runs inside the delivery's trace context
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
 
@@ -688,7 +465,7 @@ class Consumer:
         shared out to every worker; the batch's last finisher completes it)."""
         _own_thread.consumer = self
         while True:
-            item = self._next()
+            item = self._fetcher.next()
             if item is None:
                 return
             try:
@@ -714,7 +491,7 @@ class Consumer:
     def _take_ready(self, first: Message, limit: int) -> list[Message]:
         """``first`` and more ready messages (not claimed ones), up to ``limit``."""
         chunk = [first]
-        ready = self._ready
+        ready = self._fetcher.ready
         while len(chunk) < limit:
             try:
                 item = ready.popleft()  # atomic: no lock needed
@@ -753,11 +530,11 @@ class Consumer:
         listener = _obs.listener
         scope = None if listener is None else self._start_scope(listener, message)
         if scope is None:
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
             return
         _obs.report(scope.handler_returned, error)
         try:
-            message.handler_finished(error)
+            message.delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
 
@@ -767,7 +544,7 @@ class Consumer:
         and returns the entries to run, and the messages to prepare again once this
         batch is finished (their key is held by an earlier message of the batch). A
         claimed message completes or releases its claim before it is settled, whoever
-        settles it (:meth:`_settle_claimed`)."""
+        settles it (:meth:`ThreadSettling.on_claimed_settled`)."""
         runs: list[Entry] = []
         later: list[Message] = []
         for entry in guard.prepare(messages):
@@ -778,25 +555,10 @@ class Consumer:
                 self._settle_unrun(entry.message, entry.error)
                 continue
             if entry.claim is not None:
-                entry.message.bind(partial(self._settle_claimed, guard, entry))
+                entry.message.delivery.bind(
+                    partial(self._settling.on_claimed_settled, guard, entry))
             runs.append(entry)
         return runs, later
-
-    def _settle_claimed(self, guard: BatchGuard, entry: Entry, message: Message,
-                        error: BaseException | None) -> None:
-        """Settle callback of a claimed message: when it is settled outside its batch's
-        finish (an explicit ack, its deadline, stop()), its claim is completed (success)
-        or released (failure) first; then the usual settlement."""
-        if entry.open:
-            try:
-                if error is None:
-                    guard.finish((entry,), ())
-                else:
-                    guard.finish((), (entry,))
-            except Exception:
-                log.exception("%s: finishing the idempotency claim of %s failed", self.name,
-                              message.id, extra=self._log_extra(message))
-        self._on_settled(message, error)
 
     def _execute_round_safely(self, messages: list[Message],
                               lanes: OrderedExecutor | None = None) -> None:
@@ -821,15 +583,15 @@ class Consumer:
         batch = _Round(len(runs), later, lanes)
         if lanes is None:  # this worker runs the first; any worker takes the others
             if len(runs) > 1:
-                self._ready.extendleft(_Claimed(guard, batch, entry)
+                self._fetcher.ready.extendleft(_Claimed(guard, batch, entry)
                                        for entry in reversed(runs[1:]))
                 if self.workers > 1:
-                    with self._cond:
-                        self._wake()
+                    with self._fetcher.cond:
+                        self._fetcher.wake()
             self._run_claimed(guard, batch, runs[0])
         else:
             for entry in runs:
-                lanes.submit(_KeyGate.key(entry.message), self._run_claimed_on_lane, guard,
+                lanes.submit(ordering_key(entry.message), self._run_claimed_on_lane, guard,
                              batch, entry)
 
     def _run_claimed_on_lane(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
@@ -861,8 +623,8 @@ class Consumer:
                 _obs.report(scope.close)
             if error is None and (message.acked or not message.auto_ack):
                 # Settled by the handler, or awaiting its explicit ack: its claim is
-                # finished when it is settled (_settle_claimed).
-                message.handler_finished(None)
+                # finished when it is settled (ThreadSettling.on_claimed_settled).
+                message.delivery.finish(message, None)
                 last = batch.add(None, None)
             else:
                 last = batch.add(entry, error)
@@ -877,8 +639,8 @@ class Consumer:
         except Exception:  # a closed checker...: the effects happened; settle anyway
             log.exception("%s: completing a batch of idempotency claims failed", self.name)
         for entry, error in batch.raised:
-            entry.message.handler_finished(error)
-        self._ack_all([entry.message for entry in batch.returned])
+            entry.message.delivery.finish(entry.message, error)
+        self._settling.ack_all([entry.message for entry in batch.returned])
         if batch.later:  # repeats of keys this batch held: duplicates now (or runs)
             self._claim_round([m for m in batch.later if not m.acked], batch.lanes)
 
@@ -921,14 +683,14 @@ class Consumer:
             elif message.auto_ack and not message.acked:
                 returned.append(message)
             else:  # settled by the handler, or awaiting its explicit ack
-                message.handler_finished(None)
+                message.delivery.finish(message, None)
         try:
             if guard is not None and entries:
                 guard.finish([entries[m] for m in returned if m in entries],
                              [entries[m] for m, _ in raised if m in entries])
             for message, failed in raised:
-                message.handler_finished(failed)
-            self._ack_all(returned)
+                message.delivery.finish(message, failed)
+            self._settling.ack_all(returned)
         finally:
             if scopes is not None:
                 for scope in reversed(scopes):
@@ -945,67 +707,6 @@ class Consumer:
             log.warning("%s: PartialFailure names %d message(s) that are not in the batch "
                         "(ignored), e.g. %r", self.name, len(strangers), strangers[0])
 
-    def _ack_all(self, messages: list[Message]) -> None:
-        """Settle successful deliveries (auto ack) together: one broker call (where the
-        broker acks many at once), one lock and one stats update for all of them. Where
-        a settlement must be seen per message (a telemetry listener, ordered mode's key
-        gate, a RetryPolicy that overrides decide) each goes through the usual
-        per-message settlement instead."""
-        if not messages:
-            return
-        if not self._plain_acks or _obs.listener is not None:
-            for message in messages:
-                message.handler_finished(None)
-            return
-        won = [message for message in messages if message.settle_quietly()]
-        deadlines = self._deadlines
-        if deadlines is not None:
-            for message in won:
-                deadlines.untrack(message)
-        self._ack_all_settled(won)
-
-    def _ack_all_settled(self, messages: list[Message]) -> None:
-        """Ack settled successes at the broker and free their slots; a delivery whose
-        ack fails is settled another way (:meth:`_settle_otherwise`)."""
-        acked = messages
-        ack_many = self._ack_many
-        if ack_many is not None and len(messages) > 1:
-            try:
-                ack_many(messages)
-            except Exception:  # one by one: each failure is settled on its own
-                acked = self._ack_each(messages)
-        else:
-            acked = self._ack_each(messages)
-        if acked:
-            with self._lock:
-                self.stats.acked += len(acked)
-                pop = self._in_flight.pop
-                for message in acked:
-                    pop(message, None)
-                self._settled_count += len(acked)
-                self._wake()
-
-    def _ack_each(self, messages: list[Message]) -> list[Message]:
-        """Ack each delivery; returns those acked (the others are settled otherwise)."""
-        acked = []
-        ack = self.broker.ack
-        for message in messages:
-            try:
-                ack(message)
-            except Exception as failure:
-                self._ack_failed(message, failure)
-            else:
-                acked.append(message)
-        return acked
-
-    def _ack_failed(self, message: Message, failure: Exception) -> None:
-        """The ack of a success raised: settle it another way, count, free the slot."""
-        counted = ["broker_errors"]
-        outcome = self._settle_otherwise(message, None, Action.ACK, failure)
-        if outcome is not None:
-            counted.append(outcome)
-        self._release(message, None, 0.0, False, counted)
-
     # -- telemetry, health and log context (no cost while no listener is installed) --
 
     def _start_scope(self, listener: _obs.Listener,
@@ -1017,16 +718,13 @@ class Consumer:
                           extra=self._log_extra(message))
             return None
 
-    def _report(self, counts: Mapping[str, int], message: Message | None = None) -> None:
+    def _count(self, counts: Mapping[str, int], message: Message | None = None) -> None:
         """Report ``counts`` (ConsumerStats fields just added to) to the listener."""
-        listener = _obs.listener
-        if listener is not None:
-            _obs.report(listener.consumer_counted, self, counts, message)
+        self._reporter.count(counts, message)
 
     def _log_extra(self, message: Message) -> dict[str, Any]:
         """The ``extra`` fields of every log line about ``message``."""
-        return {"message_id": message.id, "topic": message.topic, "group": self.group,
-                "attempt": message.attempt}
+        return self._settler.extra(message)
 
     def health(self) -> Health:
         """A snapshot of this consumer's health (cheap: no broker call unless the
@@ -1034,11 +732,11 @@ class Consumer:
         from msgpatterns.observability.stats import Health
 
         now = time.monotonic()
-        with self._cond:
+        with self._fetcher.cond:
             state = self._state
-            in_flight = len(self._in_flight)
-            oldest = min(self._in_flight.values(), default=None)
-            last = self._last_fetch
+            in_flight = len(self._fetcher.slots)
+            oldest = min(self._fetcher.slots.held.values(), default=None)
+            last = self._fetcher.last_fetch
         threads_alive = all(t.is_alive() for t in self._threads)
         connected = getattr(type(self.broker), "connected", None)
         broker_connected: bool | None
@@ -1060,356 +758,10 @@ class Consumer:
             broker_connected=broker_connected,
         )
 
-    def _deadline(self, message: Message) -> None:
-        error = AckTimeout(
-            f"message {message.id} not acked within {self.ack_timeout:g}s "
-            f"by handler {self.handler_name}"
-        )
-        if message.expire(error):
-            self.stats.ack_timeouts += 1
-            if _obs.listener is not None:
-                self._report({"ack_timeouts": 1}, message)
-            log.warning("%s; failing the delivery", error, extra=self._log_extra(message))
-
-    def _on_settled(self, message: Message, error: BaseException | None) -> None:
-        """Act on a settled delivery; runs once, on whichever thread settled it.
-
-        Whatever fails here (the retry policy, the broker call, the dead-letter record)
-        the delivery is settled another way (:meth:`_settle_otherwise`), and the slot is
-        always freed."""
-        deadlines = self._deadlines
-        if deadlines is not None:
-            deadlines.untrack(message)
-        if error is None and self._plain_acks and _obs.listener is None:
-            # The hot path: a success is an ack and a freed slot.
-            try:
-                self.broker.ack(message)
-            except Exception as failure:
-                self._ack_failed(message, failure)
-                return
-            with self._lock:
-                self.stats.acked += 1
-                self._in_flight.pop(message, None)
-                self._settled_count += 1
-                self._wake()
-            return
-        retry: Message | None = None
-        delay = 0.0
-        hold = False
-        counted: list[str] = []  # stats to add, under the lock, in _release
-        action: Action | None = None
-        try:
-            if isinstance(error, _Released):
-                counted.append("released")
-                self.broker.nack(message, 0.0)
-                return
-            try:
-                verdict = self.retry.decide(message, error)
-            except Exception:
-                verdict = self._fallback_verdict(message, error)
-            action = verdict.action
-            if action is Action.ACK:
-                self.broker.ack(message)
-                counted.append("acked")
-                return
-            assert error is not None
-            counted.append("failed")
-            self._log_failure(message, error, action, verdict.delay)
-            delay = verdict.delay
-            if action is Action.RETRY_LOCALLY:
-                retry = message.copy_for_retry(local=True)
-                counted.append("retried_locally")
-            elif action is Action.REDELIVER:
-                self._record_failure(message, error)
-                if self._gate is not None:
-                    # Ordered: the retry stays here and keeps its key; going back to the
-                    # broker would let later messages of the key overtake it.
-                    retry = message.copy_for_retry(attempt=message.attempt + 1)
-                    retry.headers[h.ATTEMPT] = str(retry.attempt)
-                    hold = True
-                else:
-                    self.broker.nack(message, delay)
-                counted.append("redelivered")
-            else:
-                self._dead_letter(message, error, verdict.reason)
-                counted.append("dead_lettered")
-        except Exception as failure:
-            counted.append("broker_errors")
-            retry = None
-            hold = False
-            if not isinstance(error, _Released):
-                outcome = self._settle_otherwise(message, error, action, failure)
-                if outcome is not None:
-                    counted.append(outcome)
-        finally:
-            listener = _obs.listener
-            if listener is not None:  # before _release: stop() waits for the slot
-                _obs.report(listener.delivery_settled, self, message, counted, error)
-            self._release(message, retry, delay, hold, counted)
-
-    def _fallback_verdict(self, message: Message, error: BaseException | None) -> Verdict:
-        """The retry policy itself failed: a safe verdict instead - an ack for a success,
-        a dead letter once ``max_attempts`` is reached, else a redelivery after a short
-        delay."""
-        log.exception("%s: the retry policy failed on message %s", self.name, message.id,
-                      extra=self._log_extra(message))
-        if error is None:
-            return Verdict(Action.ACK)
-        name = type(error).__name__
-        if message.attempt >= self.retry.max_attempts:
-            return Verdict(Action.DEAD_LETTER, reason=f"gave up after "
-                           f"{message.attempt} attempts: {name} (retry policy failed)")
-        return Verdict(Action.REDELIVER, _FALLBACK_DELAY)
-
-    def _settle_otherwise(self, message: Message, error: BaseException | None,
-                          action: Action | None, failure: Exception) -> str | None:
-        """The settlement of ``message`` raised ``failure``: settle it another way so
-        the delivery never hangs - a dead letter with a minimal, always-encodable record
-        when a dead letter was due, else a nack for redelivery (the durable attempt
-        count then moves on towards ``max_attempts``). Returns the stat to count, or
-        None when the broker refused every way (it redelivers at its own timeout)."""
-        log.error("%s: settling message %s failed (%s); settling it another way",
-                  self.name, message.id, describe(failure), extra=self._log_extra(message))
-        if action is Action.DEAD_LETTER or (
-                action is None and message.attempt >= self.retry.max_attempts):
-            try:
-                self._put_dead_letter(message, self._fallback_record(message, error, failure))
-                return "dead_lettered"
-            except Exception:
-                log.exception("%s: fallback dead letter of %s failed", self.name, message.id,
-                              extra=self._log_extra(message))
-        try:
-            self.broker.nack(message, 0.0)
-            return "redelivered"
-        except Exception:
-            log.exception(
-                "%s: message %s could not be settled; the broker redelivers it after its "
-                "own timeout", self.name, message.id, extra=self._log_extra(message),
-            )
-            return None
-
-    def _fallback_record(self, message: Message, error: BaseException | None,
-                         failure: Exception) -> DeadLetter:
-        now = self.broker.now()
-        kind = type(error) if error is not None else type(failure)
-        return DeadLetter(
-            message=message,
-            error_type=printable(f"{kind.__module__}.{kind.__qualname__}"),
-            error_message=describe(error),
-            traceback=format_traceback(error) if error is not None else "",
-            attempts=message.attempt,
-            first_failed_at=now,
-            last_failed_at=now,
-            reason=printable(f"dead-lettered after a failed settlement: {describe(failure)}"),
-            group=self.group,
-        )
-
-    def _release(self, message: Message, retry: Message | None, delay: float,
-                 hold: bool, counted: list[str]) -> None:
-        """Lock-protected bookkeeping after a settlement: count it, free the slot, or
-        put the retry copy in its place (now, after ``delay``, or held until due)."""
-        give_back = False
-        with self._cond:
-            stats = self.stats
-            for name in counted:
-                setattr(stats, name, getattr(stats, name) + 1)
-            since = self._in_flight.pop(message, None)
-            if retry is not None and self._state is _State.STOPPED:
-                give_back = True  # stopped meanwhile: give it back
-                retry = None
-            if retry is not None:
-                retry.bind(self._on_settled)
-                self._in_flight[retry] = time.monotonic() if since is None else since
-                if self._gate is not None:
-                    self._gate.transfer(message, retry)
-                if hold:
-                    self._held[retry] = self.broker.now() + delay
-                if delay > 0:
-                    self._retry_timers[retry] = self._wheel.schedule(
-                        delay, partial(self._requeue, retry)
-                    )
-                else:
-                    self._held.pop(retry, None)
-                    self._ready.appendleft(retry)
-            elif self._gate is not None:
-                following = self._gate.release(message)
-                if following is not None:
-                    self._ready.appendleft(following)
-            self._settled_count += 1
-            self._wake()
-        if give_back:
-            try:
-                self.broker.nack(message, 0.0)
-            except Exception:
-                log.exception("%s: handing message %s back failed", self.name, message.id,
-                              extra=self._log_extra(message))
-
-    def _requeue(self, message: Message) -> None:
-        with self._cond:
-            if self._retry_timers.pop(message, None) is None:
-                return
-            self._held.pop(message, None)
-            self._ready.appendleft(message)
-            self._wake()
-
-    def _record_failure(self, message: Message, error: BaseException) -> None:
-        """Keep the failure history in headers so it survives redelivery (the error's
-        text is taken defensively: a ``__str__`` that raises cannot stop it)."""
-        message.headers = failure_headers(message.headers, error, self.broker.now())
-
-    def _dead_letter(self, message: Message, error: BaseException, reason: str) -> None:
-        record = DeadLetter.from_error(
-            message, error, now=self.broker.now(), reason=reason, group=self.group
-        )
-        log.error(
-            "%s: message %s (key %r, topic %r) dead-lettered after %d attempt(s): %s",
-            self.name, message.id, message.key, message.topic, message.attempt, reason,
-            extra=self._log_extra(message),
-        )
-        self._put_dead_letter(message, record)
-
-    def _put_dead_letter(self, message: Message, record: DeadLetter) -> None:
-        if self.dead_letters is not None:
-            self.dead_letters.put(record)
-            self.broker.ack(message)
-        else:
-            self.broker.dead_letter(message, record)
-
-    def _log_failure(self, message: Message, error: BaseException, action: Action,
-                     delay: float) -> None:
-        if isinstance(error, NeedRetry):
-            log.debug("%s: message %s asked for a retry (%s)", self.name, message.id, error,
-                      extra=self._log_extra(message))
-        elif action is not Action.DEAD_LETTER:
-            log.warning(
-                "%s: handler %s failed on message %s (attempt %d): %s: %s; %s in %.3gs",
-                self.name, self.handler_name, message.id, message.attempt,
-                type(error).__name__, describe(error), action.value, delay,
-                extra=self._log_extra(message),
-            )
-
 
 def _duration(value: float | timedelta | None, option: str) -> float | None:
     """``seconds(value)``, with the option's name in the error."""
-    try:
-        return seconds(value)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"Consumer {option}: {exc}") from None
+    return _options_duration(value, option)
 
 
-def _topic_list(topics: object) -> list[str]:
-    """``topics`` as a non-empty list of non-empty strings (one string is one topic)."""
-    if isinstance(topics, str):
-        topics = [topics]
-    if isinstance(topics, (bytes, bytearray, Mapping)) or not isinstance(topics, Iterable):
-        raise ConfigurationError(
-            f"Consumer topics must be a topic name or a list of them, got {topics!r}"
-        )
-    names = list(topics)
-    if not names:
-        raise ConfigurationError("Consumer needs at least one topic")
-    for topic in names:
-        if not isinstance(topic, str) or not topic:
-            raise ConfigurationError(
-                f"Consumer topics must be non-empty strings, got {topic!r} in {names!r}"
-            )
-    return names
-
-
-@dataclass(eq=False, slots=True)
-class _Claimed:
-    """A claimed message waiting for a worker, with the batch it belongs to."""
-
-    guard: BatchGuard
-    batch: _Round
-    entry: Entry
-
-
-class _Round:
-    """The claimed messages of one batch claim, run one by one (on a worker, or on
-    their keys' lanes): whoever runs the last one finishes the batch."""
-
-    __slots__ = ("_left", "_lock", "lanes", "later", "raised", "returned")
-
-    def __init__(self, size: int, later: list[Message],
-                 lanes: OrderedExecutor | None) -> None:
-        self._left = size
-        self._lock = threading.Lock()
-        #: Messages to prepare again after this batch (their key is held by it).
-        self.later = later
-        self.lanes = lanes
-        self.returned: list[Entry] = []
-        self.raised: list[tuple[Entry, BaseException]] = []
-
-    def add(self, entry: Entry | None, error: BaseException | None) -> bool:
-        """One message ran: ``entry`` returned (``error`` None) or raised; None when
-        its claim is finished elsewhere. True for the last one."""
-        with self._lock:
-            if entry is not None:
-                if error is None:
-                    self.returned.append(entry)
-                else:
-                    self.raised.append((entry, error))
-            self._left -= 1
-            return self._left == 0
-
-
-class _KeyGate:
-    """Ordered mode: one message per key at a time, in delivery order.
-
-    A key is owned by one message from the moment it is admitted until it is finally
-    settled (acked, dead-lettered or handed back); its retry copies inherit the
-    ownership. Messages of an owned key wait in that key's backlog, in order.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: dict[str, Message] = {}
-        self._backlog: dict[str, deque[Message]] = {}
-        self.parked = 0  # messages waiting in backlogs
-
-    @staticmethod
-    def key(message: Message) -> str:
-        """The ordering key: ``message.key``, else the message id; messages with
-        neither share one key (they keep their relative order)."""
-        if message.key is not None:
-            return message.key
-        return message.id if message.id is not None else ""
-
-    def admit(self, message: Message) -> bool:
-        """True if ``message`` may run now; otherwise it joins its key's backlog."""
-        key = self.key(message)
-        with self._lock:
-            owner = self._owner.get(key)
-            if owner is None:
-                self._owner[key] = message
-                return True
-            if owner is message:
-                return True
-            self._backlog.setdefault(key, deque()).append(message)
-            self.parked += 1
-            return False
-
-    def transfer(self, old: Message, new: Message) -> None:
-        """A retry copy takes over its key from the delivery it replaces."""
-        key = self.key(old)
-        with self._lock:
-            if self._owner.get(key) is old:
-                self._owner[key] = new
-
-    def release(self, message: Message) -> Message | None:
-        """``message`` is finally settled: the next message of its key, now admitted."""
-        key = self.key(message)
-        with self._lock:
-            if self._owner.get(key) is not message:
-                return None
-            backlog = self._backlog.get(key)
-            if not backlog:
-                del self._owner[key]
-                return None
-            following = backlog.popleft()
-            self.parked -= 1
-            if not backlog:
-                del self._backlog[key]
-            self._owner[key] = following
-            return following
+_topic_list = topic_list

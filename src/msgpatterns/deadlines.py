@@ -3,7 +3,8 @@
 Every item gets the same timeout, so the order items are tracked in is the order
 their deadlines fall in. The tracker keeps them in an insertion-ordered dict (O(1)
 ``track`` and ``untrack``, no allocation beyond the dict slot) and keeps ONE timer on a
-:class:`~msgpatterns.TimingWheel`, due when the oldest tracked item expires. This is how
+:class:`~msgpatterns.TimingWheel` (or any :class:`~msgpatterns.timer.Timer`), due when
+the oldest tracked item expires. This is how
 the consumer gives every unacked message its ack deadline without scheduling and
 cancelling a timer per message.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.timer import TimingWheel
+from msgpatterns.timer import Timer
 
 __all__ = ["DeadlineTracker"]
 
@@ -36,7 +37,7 @@ class DeadlineTracker(Generic[T]):
 
     def __init__(
         self,
-        wheel: TimingWheel,
+        wheel: Timer,
         timeout: float,
         on_expire: Callable[[T], object],
         *,

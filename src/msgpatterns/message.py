@@ -1,25 +1,24 @@
-"""The :class:`Message` a handler receives, and its acknowledgement state.
+"""The :class:`Message` a handler receives: the value it reads, and its ack.
 
-A message is *settled* exactly once: by the runtime when the handler returns (auto
-ack), by the handler's own :meth:`Message.ack` (explicit ack, from any thread), by the
-handler raising, or by the ack deadline. Whatever comes first wins; anything later is
-ignored with a warning and never flips the outcome.
+A message is a value (body, id, key, topic, headers, attempt...). How it was
+delivered - the broker's receipt and the settle-once state - is its
+:class:`~msgpatterns.delivery.Delivery`; ``message.ack()``, ``message.ack(error)`` and
+``message.disable_auto_ack()`` delegate to it. A message is *settled* exactly once: by
+the runtime when the handler returns (auto ack), by the handler's own
+:meth:`Message.ack` (explicit ack, from any thread), by the handler raising, or by the
+ack deadline. Whatever comes first wins; anything later is ignored with a warning and
+never flips the outcome.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Message"]
+from msgpatterns.delivery import Delivery, SettleCallback
 
-log = logging.getLogger("msgpatterns.message")
-
-#: Called once with ``(message, error)`` when a message is settled.
-SettleCallback = Callable[["Message", "BaseException | None"], None]
+__all__ = ["Message", "SettleCallback"]
 
 
 class Message:
@@ -39,14 +38,9 @@ class Message:
     """
 
     __slots__ = (
-        "_ack_error",
-        "_auto_ack",
-        "_handler_returned",
-        "_lock",
-        "_on_settle",
-        "_settled",
         "attempt",
         "body",
+        "delivery",
         "headers",
         "id",
         "key",
@@ -54,7 +48,6 @@ class Message:
         "offset",
         "partition",
         "raw_body",
-        "receipt",
         "timestamp",
         "topic",
     )
@@ -71,6 +64,7 @@ class Message:
         attempt: int = 1,
         partition: int | None = None,
         offset: int | None = None,
+        delivery: Delivery[Any] | None = None,
     ) -> None:
         if attempt < 1:
             raise ValueError(f"attempt starts at 1, got {attempt}")
@@ -86,14 +80,22 @@ class Message:
         self.partition = partition
         self.offset = offset
         self.local_retries = 0
-        #: Broker-specific delivery handle (a receipt, a delivery tag, a stream id...).
-        self.receipt: Any = None
-        self._lock = threading.Lock()
-        self._auto_ack = True
-        self._settled = False
-        self._handler_returned = False
-        self._ack_error: BaseException | None = None
-        self._on_settle: SettleCallback | None = None
+        #: How this message was delivered: the broker's receipt and the settle-once
+        #: state (a message built by hand has an empty one).
+        self.delivery: Delivery[Any] = Delivery(None) if delivery is None else delivery
+
+    # -- the delivery ---------------------------------------------------------------
+
+    @property
+    def receipt(self) -> object:
+        """The broker adapter's handle for this delivery (read it with
+        :func:`msgpatterns.delivery.receipt_of`). An adapter sets it on the message it
+        builds."""
+        return self.delivery.receipt
+
+    @receipt.setter
+    def receipt(self, value: object) -> None:
+        self.delivery.receipt = value
 
     # -- public acknowledgement API -------------------------------------------------
 
@@ -104,12 +106,12 @@ class Message:
         fails and a later ``ack`` is ignored with a warning. A message never acked is
         failed at its ``ack_timeout`` deadline.
         """
-        self._auto_ack = False
+        self.delivery.disable_auto_ack()
 
     @property
     def auto_ack(self) -> bool:
         """True unless :meth:`disable_auto_ack` was called."""
-        return self._auto_ack
+        return self.delivery.auto_ack
 
     def ack(self, error: BaseException | None = None) -> bool:
         """Settle this delivery: success, or failure when ``error`` is given.
@@ -128,99 +130,30 @@ class Message:
                 f"Message.ack(error) takes None or an exception instance, got {kind}; "
                 "e.g. ack(Reject('payment declined')) or ack(ValueError('...'))"
             )
-        return self._settle(error, source="ack")
+        return self.delivery.settle(self, error, source="ack")
 
     @property
     def acked(self) -> bool:
         """True once this delivery is settled (with or without an error)."""
-        return self._settled
+        return self.delivery.settled
 
     @property
     def ack_error(self) -> BaseException | None:
         """The error this delivery was settled with, or None."""
-        return self._ack_error
+        return self.delivery.error
 
     @property
     def succeeded(self) -> bool:
         """True when the delivery was settled without an error."""
-        return self._settled and self._ack_error is None
+        delivery = self.delivery
+        return delivery.settled and delivery.error is None
 
-    # -- runtime side ---------------------------------------------------------------
+    # -- runtime side -----------------------------------------------------------------
 
     def bind(self, on_settle: SettleCallback | None) -> None:
-        """Register the callback run (once) when this delivery is settled."""
-        self._on_settle = on_settle
-
-    def handler_finished(self, error: BaseException | None) -> None:
-        """Record the handler's outcome: settle on error, or on return under auto ack."""
-        self._handler_returned = True
-        if error is not None:
-            self._settle(error, source="handler")
-        elif self._auto_ack:
-            self._settle(None, source="auto")
-
-    def settle_quietly(self) -> bool:
-        """Runtime side, for settling many successful deliveries at once: record that
-        the handler returned and settle this delivery as a success WITHOUT calling the
-        settle callback (the caller does that work for the whole batch). Only for
-        auto ack. False, and nothing changes, when it was settled already."""
-        with self._lock:
-            self._handler_returned = True
-            if self._settled:
-                return False
-            self._settled = True
-            self._ack_error = None
-            return True
-
-    def expire(self, error: BaseException) -> bool:
-        """Fail the delivery at its ack deadline; False if it was settled already."""
-        return self._settle(error, source="deadline")
-
-    def copy_for_retry(self, *, attempt: int | None = None, local: bool = False) -> Message:
-        """A fresh, unsettled copy for another attempt with the same broker receipt.
-
-        ``local=True``: an in-process retry (``local_retries + 1``). Otherwise a new
-        attempt (``attempt``) held by the runtime, with ``local_retries`` back at 0.
-        """
-        clone = Message(
-            self.raw_body,
-            id=self.id,
-            key=self.key,
-            topic=self.topic,
-            headers=self.headers,
-            timestamp=self.timestamp,
-            attempt=self.attempt if attempt is None else attempt,
-            partition=self.partition,
-            offset=self.offset,
-        )
-        clone.receipt = self.receipt
-        clone.local_retries = self.local_retries + 1 if local else 0
-        return clone
-
-    def _settle(self, error: BaseException | None, *, source: str) -> bool:
-        with self._lock:
-            if self._settled:
-                first = self._ack_error
-                late = True
-            else:
-                self._settled = True
-                self._ack_error = error
-                late = False
-                callback = self._on_settle
-        if late:
-            if source in ("ack", "handler"):
-                log.warning(
-                    "message %s: %s ignored, the delivery was already settled (%s)",
-                    self.id,
-                    "ack" if source == "ack" else f"handler error {error!r}",
-                    "failed: " + repr(first) if first is not None else "acked",
-                    extra={"message_id": self.id, "topic": self.topic,
-                           "attempt": self.attempt},
-                )
-            return False
-        if callback is not None:
-            callback(self, error)
-        return True
+        """Where the outcome goes (once) when this delivery is settled
+        (:meth:`Delivery.bind <msgpatterns.delivery.Delivery.bind>`)."""
+        self.delivery.bind(on_settle)
 
     def __repr__(self) -> str:
         return (

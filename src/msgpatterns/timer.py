@@ -14,12 +14,26 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Protocol
 
 from msgpatterns.errors import ClosedError, ConfigurationError, seconds
 
-__all__ = ["TimerHandle", "TimingWheel"]
+__all__ = ["Cancellable", "Timer", "TimerHandle", "TimingWheel"]
 
 log = logging.getLogger("msgpatterns.timer")
+
+
+class Cancellable(Protocol):
+    """A scheduled callback that can be cancelled before it runs."""
+
+    def cancel(self) -> object: ...
+
+
+class Timer(Protocol):
+    """What runs a callback after a delay: a :class:`TimingWheel` (its thread), or an
+    event loop's ``call_later`` (``msgpatterns.runtime.clock.LoopTimer``)."""
+
+    def schedule(self, delay: float, fn: Callable[[], object]) -> Cancellable: ...
 
 
 class TimerHandle:

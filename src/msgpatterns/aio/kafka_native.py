@@ -57,6 +57,7 @@ from msgpatterns.brokers._kafka_records import (
     malformed_letter,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -72,6 +73,9 @@ errors = require("aiokafka.errors", "kafka")
 __all__ = ["AIOKafkaBroker", "AsyncKafkaBroker"]
 
 log = logging.getLogger("msgpatterns.aio.kafka")
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "an AIOKafkaBroker"
 
 #: Longest single wait inside a fetch: how soon a fetch notices close().
 _FETCH_SLICE = 0.1
@@ -320,14 +324,14 @@ class AIOKafkaBroker:
         """Mark the record settled; the next fetch (or :meth:`close`) commits the
         contiguous settled prefix."""
         async with self._operation("ack"):
-            self._settled(self._receipt(message))
+            self._settled(receipt_of(message, KafkaReceipt, _OWNER))
 
     async def nack(self, message: Message, delay: float = 0.0) -> None:
         """Produce the retry (original payload, current headers, ``attempt + 1``, due
         in ``delay`` seconds) to ``<topic>.retry``; once acknowledged, the record is
         settled."""
         async with self._operation("nack"):
-            r = self._receipt(message)
+            r = receipt_of(message, KafkaReceipt, _OWNER)
             if self._stale(r):
                 log.debug("nack of %s ignored: its partition was revoked", message.id)
                 return
@@ -340,7 +344,7 @@ class AIOKafkaBroker:
     async def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Produce the record to ``<topic>.DLT``; once acknowledged, it is settled."""
         async with self._operation("dead_letter"):
-            r = self._receipt(message)
+            r = receipt_of(message, KafkaReceipt, _OWNER)
             if self._stale(r):
                 log.debug("dead letter of %s ignored: its partition was revoked",
                           message.id)
@@ -564,13 +568,6 @@ class AIOKafkaBroker:
                 headers=[*_wire(headers), *extra]), self.delivery_timeout)
         except (errors.KafkaError, TimeoutError) as exc:
             raise _error(exc, f"produce to {topic}") from exc
-
-    @staticmethod
-    def _receipt(message: Message) -> KafkaReceipt:
-        receipt = message.receipt
-        if not isinstance(receipt, KafkaReceipt):
-            raise ValueError(f"{message!r} was not delivered by an AIOKafkaBroker")
-        return receipt
 
     def __repr__(self) -> str:
         return f"AIOKafkaBroker({self.bootstrap_servers!r})"

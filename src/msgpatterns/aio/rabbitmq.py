@@ -55,6 +55,7 @@ from msgpatterns.brokers.rabbitmq import (
     retry_queue_arguments,
 )
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerError,
     BrokerUnavailable,
@@ -71,6 +72,9 @@ if TYPE_CHECKING:
     from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
 
 __all__ = ["AsyncRabbitMQBroker"]
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "an AsyncRabbitMQBroker"
 
 log = logging.getLogger("msgpatterns.aio.rabbitmq")
 
@@ -211,7 +215,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         turn go out together: the channel's contiguous settled prefix as one
         ``basic_ack(multiple=True)`` (one quorum-queue command), settled tags above an
         unsettled one singly; a delivery not settled is never covered."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         channel = r.incoming.channel
         if not self._window(channel).ack(r.incoming.delivery_tag):
             return  # not an unsettled delivery of this channel: nothing to send
@@ -263,7 +267,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
     async def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds (through a TTL retry queue) with
         ``attempt + 1``, the original payload and id, and the current headers."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         try:
             checked = seconds(delay) or 0.0
             ms = delay_bucket_ms(checked) if checked > 0 else 0
@@ -274,7 +278,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
 
     async def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to the group's dead-letter queue (confirmed), then ack."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         try:
             payload, props = dead_letter_wire(record)
             dlq = await self._declare_queue(
@@ -472,7 +476,8 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         """A prefetched delivery no handler saw goes back with its own attempt number
         (a requeue would count as an attempt on a quorum queue)."""
         try:
-            await self._move(self._receipt(message), message, 0, attempt=message.attempt)
+            await self._move(receipt_of(message, _Receipt, _OWNER), message, 0,
+                             attempt=message.attempt)
         except Exception:
             log.warning("%s: giving back %s failed; the server redelivers it", self.name,
                         message.id, exc_info=True)
@@ -485,13 +490,6 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         except Exception:
             log.debug("%s: handing back a delivery failed (its connection is gone: the "
                       "server requeued it)", self.name, exc_info=True)
-
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by an AsyncRabbitMQBroker")
-        return receipt
 
     def __repr__(self) -> str:
         return f"AsyncRabbitMQBroker(name={self.name!r})"

@@ -50,6 +50,7 @@ from msgpatterns.brokers.redis_streams import (
     redis_error,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerClosed, BrokerError
 from msgpatterns.message import Message
 
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
     from msgpatterns.brokers.admin.redis_streams import RedisStreamsDeadLetters
 
 __all__ = ["AsyncRedisStreamsBroker"]
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a Redis Streams broker"
 
 log = logging.getLogger("msgpatterns.aio.redis")
 
@@ -188,7 +192,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     async def ack(self, message: Message) -> None:
         """XACK the delivery (and XDEL a retry-stream entry) now."""
         self._check_open()
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
 
         async def send() -> None:
             if not r.retry:
@@ -389,7 +393,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
 
     async def _redeliver(self, message: Message, delay: float,
                          attempt: int | None = None) -> None:
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = _entry(body_bytes(message.raw_body),
                         codec.redelivery_headers(message, group=r.group, attempt=attempt))
         if delay > 0:
@@ -407,7 +411,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
             log.debug("nack of %s ignored: claimed by another consumer", message.id)
 
     async def _bury(self, message: Message, record: DeadLetter) -> None:
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = _entry(codec.dead_letter_body(record), codec.dead_letter_headers(record))
         moved = await self._move(r, _dead_letter_stream(r.topic), "stream", fields,
                                  maxlen=self.dead_letter_maxlen)
@@ -424,13 +428,6 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
             [r.group, self.consumer, r.entry_id, "1" if r.retry else "0", mode, delay_ms,
              "" if maxlen is None else maxlen, *values])
         return bool(result)
-
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a Redis Streams broker")
-        return receipt
 
     def __repr__(self) -> str:
         return f"AsyncRedisStreamsBroker(consumer={self.consumer!r})"

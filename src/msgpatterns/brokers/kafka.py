@@ -67,6 +67,7 @@ from msgpatterns.brokers._kafka_records import (
     malformed_letter,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -82,6 +83,9 @@ if TYPE_CHECKING:
     from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
 
 __all__ = ["KafkaBroker", "OffsetTracker"]
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a KafkaBroker"
 
 log = logging.getLogger("msgpatterns.brokers.kafka")
 
@@ -375,14 +379,14 @@ class KafkaBroker(BrokerAdapter):
         """Mark the record settled; the next fetch (or :meth:`commit`, or
         :meth:`close`) commits the contiguous settled prefix."""
         with self._life.operation("ack"):
-            self._settled(self._receipt(message))
+            self._settled(receipt_of(message, _Receipt, _OWNER))
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Produce the retry (original payload, current headers, ``attempt + 1``, due
         in ``delay`` seconds) to ``<topic>.retry``; once confirmed, the record is
         settled."""
         with self._life.operation("nack"):
-            r = self._receipt(message)
+            r = receipt_of(message, _Receipt, _OWNER)
             if self._stale(r):
                 log.debug("nack of %s ignored: its partition was revoked", message.id)
                 return
@@ -395,7 +399,7 @@ class KafkaBroker(BrokerAdapter):
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Produce the record to ``<topic>.DLT``; once confirmed, the record is settled."""
         with self._life.operation("dead_letter"):
-            r = self._receipt(message)
+            r = receipt_of(message, _Receipt, _OWNER)
             if self._stale(r):
                 log.debug("dead letter of %s ignored: its partition was revoked",
                           message.id)
@@ -718,12 +722,6 @@ class KafkaBroker(BrokerAdapter):
                                             f"{self.delivery_timeout:g}s") from exc
                 self._producer.poll(0.05)
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a KafkaBroker")
-        return receipt
 
     def __repr__(self) -> str:
         return f"KafkaBroker({self._base.get('bootstrap.servers')!r})"

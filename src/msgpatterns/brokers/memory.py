@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import MAX_DURATION, ConfigurationError, seconds
 from msgpatterns.message import Message
 
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from msgpatterns.brokers.admin.memory import InMemoryDeadLetters
 
 __all__ = ["BrokerEvent", "BrokerStats", "InMemoryBroker", "VirtualClock"]
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "this InMemoryBroker"
 
 log = logging.getLogger("msgpatterns.brokers.memory")
 
@@ -289,7 +293,7 @@ class InMemoryBroker(BrokerAdapter):
                 self._cond.wait(wait)
 
     def ack(self, message: Message) -> None:
-        receipt = self._receipt(message)
+        receipt = receipt_of(message, _Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -315,7 +319,7 @@ class InMemoryBroker(BrokerAdapter):
         """Redeliver after ``delay`` seconds (virtual). A negative, NaN, infinite or
         huge delay raises ConfigurationError and changes nothing."""
         delay = _duration(delay, "nack delay")
-        receipt = self._receipt(message)
+        receipt = receipt_of(message, _Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -334,7 +338,7 @@ class InMemoryBroker(BrokerAdapter):
             self._cond.notify_all()
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
-        receipt = self._receipt(message)
+        receipt = receipt_of(message, _Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -523,12 +527,6 @@ class InMemoryBroker(BrokerAdapter):
             partition=0,
             offset=entry.offset,
         )
-
-    def _receipt(self, message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by this InMemoryBroker")
-        return receipt
 
     def _event(self, kind: str, message_id: str | None, group: str, attempt: int,
                delay: float = 0.0) -> None:

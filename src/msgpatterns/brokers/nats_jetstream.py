@@ -49,6 +49,7 @@ from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, ConfigurationError
 from msgpatterns.message import Message
 
@@ -60,6 +61,9 @@ if TYPE_CHECKING:
     from msgpatterns.brokers.admin.nats_jetstream import NatsJetStreamDeadLetters
 
 __all__ = ["NatsJetStreamBroker"]
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a NatsJetStreamBroker"
 
 log = logging.getLogger("msgpatterns.brokers.nats")
 
@@ -211,7 +215,7 @@ class NatsJetStreamBroker(BrokerAdapter):
     def ack(self, message: Message) -> None:
         """Acknowledge; the ack is sent on the I/O thread without waiting (a lost ack
         means a redelivery, never a loss). :meth:`close` flushes what is queued."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         self._submit(r.msg.ack())
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
@@ -221,7 +225,7 @@ class NatsJetStreamBroker(BrokerAdapter):
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to ``T.__dlq`` (confirmed), then ack the delivery."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         self._run(self._send(
             r.topic, self.dead_letter_subject(r.topic), codec.dead_letter_body(record),
             codec.dead_letter_headers(record), None,
@@ -455,7 +459,7 @@ class NatsJetStreamBroker(BrokerAdapter):
         return message
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         due = time.time() + delay if delay > 0 else None
         wire = codec.redelivery_headers(message, group=r.group, due_at=due, attempt=attempt,
                                         parked=due is not None)
@@ -498,13 +502,6 @@ class NatsJetStreamBroker(BrokerAdapter):
 
     def _where(self) -> str:
         return ",".join(self.servers)
-
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ConfigurationError(f"{message!r} was not fetched from a NatsJetStreamBroker")
-        return receipt
 
     def __repr__(self) -> str:
         return f"NatsJetStreamBroker({self._where()!r}, name={self.name!r})"

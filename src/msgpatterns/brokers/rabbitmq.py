@@ -85,6 +85,7 @@ from msgpatterns.brokers._reconnect import (
     reconnecting,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -104,6 +105,9 @@ if TYPE_CHECKING:
     from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
 
 __all__ = ["MAX_DELAY_MS", "RabbitMQBroker", "delay_bucket_ms"]
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a RabbitMQBroker"
 
 log = logging.getLogger("msgpatterns.brokers.rabbitmq")
 
@@ -556,7 +560,7 @@ class RabbitMQBroker(BrokerAdapter):
     def ack(self, message: Message) -> None:
         """Ack the delivery (does not wait; a lost connection redelivers it; queued acks
         are sent by :meth:`close`)."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         self._submit(lambda channel: self._settle(channel, r), wait=False)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
@@ -568,7 +572,7 @@ class RabbitMQBroker(BrokerAdapter):
         :class:`~msgpatterns.errors.ConfigurationError` after handing the delivery back
         to its queue: a refused settlement never leaves a delivery unacked.
         """
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         try:
             checked = seconds(delay) or 0.0
             delay_bucket_ms(checked)
@@ -582,7 +586,7 @@ class RabbitMQBroker(BrokerAdapter):
         """Publish the record to the group's dead-letter queue, then ack. Texts are
         made encodable first; if the publish still fails, the delivery is handed back
         to its queue and the error raised."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         with self._errors("dead_letter"):
             self._call(lambda channel: self._dead_letter_now(channel, r, record))
 
@@ -963,7 +967,7 @@ class RabbitMQBroker(BrokerAdapter):
                  attempt: int | None = None) -> None:
         """Publish the redelivery copy (through a retry queue when delayed), confirmed,
         then ack the delivery."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         if r.generation != self._generation:
             return  # the connection that delivered it is gone: the server redelivers it
         with self._or_hand_back(r):
@@ -1132,12 +1136,6 @@ class RabbitMQBroker(BrokerAdapter):
             timestamp=int(time.time()),
         )
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a RabbitMQBroker")
-        return receipt
 
     def __repr__(self) -> str:
         return f"RabbitMQBroker(name={self.name!r})"

@@ -80,6 +80,7 @@ from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers._reconnect import reconnect_backoff, reconnecting
 from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -98,6 +99,9 @@ _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 _AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 
 __all__ = ["RedisStreamsBroker"]
+
+#: Named in the error for a message this adapter did not deliver.
+_OWNER = "a RedisStreamsBroker"
 
 log = logging.getLogger("msgpatterns.brokers.redis")
 
@@ -474,7 +478,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def ack(self, message: Message) -> None:
         """Queue the ack (see the batching note above); :meth:`flush` sends it now."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks([r])
@@ -492,7 +496,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
-        receipts = [self._receipt(message) for message in messages]
+        receipts = [receipt_of(message, _Receipt, _OWNER) for message in messages]
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks(receipts)
@@ -527,7 +531,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None = None) -> None:
         """Move the delivery to the retry path (the delayed set when ``delay`` > 0)."""
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = self._entry(
             body_bytes(message.raw_body),
             codec.redelivery_headers(message, group=r.group, attempt=attempt),
@@ -553,7 +557,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self._bury(message, record)
 
     def _bury(self, message: Message, record: DeadLetter) -> None:
-        r = self._receipt(message)
+        r = receipt_of(message, _Receipt, _OWNER)
         fields = self._entry(codec.dead_letter_body(record), codec.dead_letter_headers(record))
         moved = self._move(r, self.dead_letter_stream(r.topic), "stream", fields,
                            maxlen=self.dead_letter_maxlen)
@@ -911,7 +915,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             taken: list[Message] = []
             kept: list[Message] = []
             for m in self._overflow:
-                r = m.receipt
+                r = receipt_of(m, _Receipt, _OWNER)
                 if len(taken) < limit and r.group == group and r.topic in topics:
                     taken.append(m)
                 else:
@@ -932,12 +936,6 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         )
         return bool(result)
 
-    @staticmethod
-    def _receipt(message: Message) -> _Receipt:
-        receipt = message.receipt
-        if not isinstance(receipt, _Receipt):
-            raise ValueError(f"{message!r} was not delivered by a RedisStreamsBroker")
-        return receipt
 
     def __repr__(self) -> str:
         return f"RedisStreamsBroker(consumer={self.consumer!r})"

@@ -42,6 +42,7 @@ from msgpatterns.brokers.rabbitmq import (
     retry_queue_arguments,
 )
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerError, describe
 from msgpatterns.message import Message
 from msgpatterns.raw import RawLoop, carry_out
@@ -225,8 +226,5 @@ class PikaLoop(RawLoop):
 
     @staticmethod
     def _tag(message: Message) -> int:
-        receipt = message.receipt
-        if not isinstance(receipt, _Tag):
-            raise ValueError(f"{message!r} was not delivered through this PikaLoop")
-        return receipt.delivery_tag
+        return receipt_of(message, _Tag, "this PikaLoop").delivery_tag
 

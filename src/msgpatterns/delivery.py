@@ -1,0 +1,134 @@
+"""A :class:`Delivery`: one broker delivery of a message, as the runtime settles it.
+
+A :class:`~msgpatterns.Message` is the value a handler reads; its delivery is the
+handle the broker adapter and the runtime work with. The delivery owns:
+
+* the adapter's **receipt** (a small typed record per adapter: a stream entry id, a
+  delivery tag, a partition offset...), read back with :func:`receipt_of`;
+* the **settle-once** state: a delivery is settled exactly once - by the runtime when
+  the handler returns (auto ack), by the handler's ``message.ack()`` (explicit ack,
+  from any thread), by the handler raising, or by the ack deadline. Whatever comes
+  first wins; anything later is ignored with a warning and never flips the outcome;
+* where the settled outcome goes: a ``sink(message, error)`` the runtime sets
+  (:meth:`bind`); the sink is the runtime's settler, which turns the outcome into broker
+  calls. The delivery reports the outcome and returns: it knows no consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from msgpatterns.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from msgpatterns.message import Message
+
+__all__ = ["Delivery", "SettleCallback", "receipt_of"]
+
+log = logging.getLogger("msgpatterns.message")
+
+R = TypeVar("R")
+
+#: Called once with ``(message, error)`` when a delivery is settled.
+SettleCallback = Callable[["Message", "BaseException | None"], None]
+
+
+class Delivery(Generic[R]):
+    """The receipt and the settle-once state of one delivery. Thread-safe.
+
+    ``settled``, ``error`` and ``auto_ack`` are plain attributes for speed (the runtime
+    reads them per message): read them, never assign them; :meth:`settle` and
+    :meth:`disable_auto_ack` change them.
+    """
+
+    __slots__ = ("_lock", "_sink", "auto_ack", "error", "receipt", "settled")
+
+    def __init__(self, receipt: R) -> None:
+        #: The adapter's handle for this delivery (what ack/nack/dead_letter need).
+        self.receipt = receipt
+        self._lock = threading.Lock()
+        #: False once the handler took over acknowledgement.
+        self.auto_ack = True
+        #: True once settled (with or without an error).
+        self.settled = False
+        #: The error the delivery was settled with, or None.
+        self.error: BaseException | None = None
+        self._sink: SettleCallback | None = None
+
+    def disable_auto_ack(self) -> None:
+        """The handler acks itself (``message.ack()``)."""
+        self.auto_ack = False
+
+    # -- runtime side -------------------------------------------------------------------
+
+    def bind(self, sink: SettleCallback | None) -> None:
+        """Where the outcome goes (once) when this delivery is settled."""
+        self._sink = sink
+
+    def finish(self, message: Message, error: BaseException | None) -> None:
+        """Record the handler's outcome: settle on error, or on return under auto ack."""
+        if error is not None:
+            self.settle(message, error, source="handler")
+        elif self.auto_ack:
+            self.settle(message, None, source="auto")
+
+    def settle_quietly(self) -> bool:
+        """For settling many successful deliveries at once (their handler returned):
+        settle as a success WITHOUT reporting to the sink (the caller does that work for
+        the whole batch). Only for auto ack. False, and nothing changes, when it was
+        settled already."""
+        with self._lock:
+            if self.settled:
+                return False
+            self.settled = True
+            self.error = None
+            return True
+
+    def expire(self, message: Message, error: BaseException) -> bool:
+        """Fail the delivery (its ack deadline, or a stop handing it back); False if it
+        was settled already."""
+        return self.settle(message, error, source="deadline")
+
+    def settle(self, message: Message, error: BaseException | None, *,
+               source: str) -> bool:
+        """Settle with ``error`` (None: success); the first settlement wins and is
+        reported to the sink, a later one is ignored (with a warning when it comes from
+        the handler: ``source`` "ack" or "handler") and returns False."""
+        with self._lock:
+            if self.settled:
+                first = self.error
+                late = True
+            else:
+                self.settled = True
+                self.error = error
+                late = False
+                sink = self._sink
+        if late:
+            if source in ("ack", "handler"):
+                log.warning(
+                    "message %s: %s ignored, the delivery was already settled (%s)",
+                    message.id,
+                    "ack" if source == "ack" else f"handler error {error!r}",
+                    "failed: " + repr(first) if first is not None else "acked",
+                    extra={"message_id": message.id, "topic": message.topic,
+                           "attempt": message.attempt},
+                )
+            return False
+        if sink is not None:
+            sink(message, error)
+        return True
+
+
+def receipt_of(message: Message, kind: type[R], owner: str) -> R:
+    """``message``'s receipt, checked to be ``kind`` (the adapter's receipt type).
+
+    Raises :class:`~msgpatterns.errors.ConfigurationError` (a ``ValueError``) naming
+    ``owner`` (e.g. "this InMemoryBroker") for a message another adapter delivered, or
+    one never delivered (built by hand)."""
+    receipt = message.delivery.receipt
+    if not isinstance(receipt, kind):
+        raise ConfigurationError(f"{message!r} was not delivered by {owner}")
+    return receipt
