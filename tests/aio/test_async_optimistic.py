@@ -118,8 +118,6 @@ def engine(sql_url: str) -> Iterator[Engine]:
 @pytest.fixture
 def counters(engine: Engine) -> Iterator[Table]:
     with orders_table(engine, "aopt") as table:
-        with engine.begin() as conn:
-            conn.execute(table.insert().values(id="c", state="0", version=0))
         yield table
 
 
@@ -128,6 +126,7 @@ async def test_concurrent_tasks_lose_no_update_on_a_real_database(
     """Tasks adding 1 each through AsyncVersionGuard's compare-and-set: every one of
     them counts (lost rounds retried with fresh data), none is lost or doubled."""
     guard = AsyncVersionGuard(counters, counters.c.id, counters.c.version)
+    assert await guard.upsert_latest(aengine, "c", 0, {"state": "0"})
     tasks = 6
 
     async def load() -> tuple[int, int]:

@@ -34,6 +34,14 @@ def rabbit(policy: RetryPolicy = POLICY) -> tuple[RabbitBroker, RabbitRouter]:
     return broker, RabbitRouter(middlewares=[MsgpatternsMiddleware(policy)])
 
 
+async def publish_twice(broker: RabbitBroker, router: RabbitRouter) -> None:
+    """Publish order-1 twice (a duplicate) to the router's "orders" subscriber."""
+    broker.include_router(router)
+    async with TestRabbitBroker(broker) as test:
+        await test.publish({"n": 1}, queue="orders", message_id="order-1")
+        await test.publish({"n": 1}, queue="orders", message_id="order-1")
+
+
 def test_duplicates_are_skipped_by_idempotent_on_a_sync_handler() -> None:
     broker, router = rabbit()
     ran: list[dict[str, Any]] = []
@@ -44,13 +52,7 @@ def test_duplicates_are_skipped_by_idempotent_on_a_sync_handler() -> None:
         assert delivery.id == "order-1" and delivery.attempt == 1
         ran.append(body)
 
-    async def scenario() -> None:
-        broker.include_router(router)
-        async with TestRabbitBroker(broker) as test:
-            await test.publish({"n": 1}, queue="orders", message_id="order-1")
-            await test.publish({"n": 1}, queue="orders", message_id="order-1")
-
-    run(scenario())
+    run(publish_twice(broker, router))
     assert ran == [{"n": 1}]
 
 
@@ -72,13 +74,7 @@ def test_an_async_idempotent_handler_runs_once_and_a_failed_body_is_retried() ->
             raise RuntimeError("the body failed")
         ran.append(body)
 
-    async def scenario() -> None:
-        broker.include_router(router)
-        async with TestRabbitBroker(broker) as test:
-            await test.publish({"n": 1}, queue="orders", message_id="order-1")
-            await test.publish({"n": 1}, queue="orders", message_id="order-1")
-
-    run(scenario())
+    run(publish_twice(broker, router))
     assert failures == [1] and ran == [{"n": 1}]
 
 

@@ -15,8 +15,18 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast, overload
+from collections.abc import Callable, Coroutine
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ParamSpec,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
 from msgpatterns._callables import is_async_callable, require_sync_callable
 from msgpatterns.errors import ConfigurationError, MalformedMessage
@@ -152,60 +162,51 @@ def message_payload(*args: Any, **kwargs: Any) -> object:
     return _message_in(args, kwargs).raw_body
 
 
-@overload
-def idempotent(
-    checker: TransactionalSqlChecker,
-    key: Callable[..., object] | None = None,
-    *,
-    group: str | None = None,
-    fingerprint: bool | Callable[..., object] = False,
-    on_duplicate: Callable[..., Any] | None = None,
-    fail_open: bool = False,
-    store_result: bool = False,
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[..., R]], Callable[..., R | None]]: ...
+class IdempotentOptions(TypedDict, total=False):
+    """The keyword options of :func:`idempotent` (see there)."""
+
+    group: str | None
+    fingerprint: bool | Callable[..., object]
+    on_duplicate: Callable[..., Any] | None
+    fail_open: bool
+    store_result: bool
+    max_result_bytes: int
+
+
+class Guarded(Protocol):
+    """What ``@idempotent(checker)`` returns: a sync handler stays sync, an ``async
+    def`` handler gets an ``async def`` wrapper; a duplicate returns None (or the stored
+    or ``on_duplicate`` result)."""
+
+    @overload
+    def __call__(self, fn: Callable[P, Coroutine[Any, Any, R]],
+                 ) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+
+    @overload
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R | None]: ...
+
+
+class GuardedTx(Protocol):
+    """:class:`Guarded` for a transactional checker: the wrapper takes the handler's
+    arguments without ``tx`` (the checker passes it)."""
+
+    @overload
+    def __call__(self, fn: Callable[..., Coroutine[Any, Any, R]],
+                 ) -> Callable[..., Coroutine[Any, Any, R | None]]: ...
+
+    @overload
+    def __call__(self, fn: Callable[..., R]) -> Callable[..., R | None]: ...
 
 
 @overload
-def idempotent(
-    checker: AsyncTransactionalSqlChecker,
-    key: Callable[..., object] | None = None,
-    *,
-    group: str | None = None,
-    fingerprint: bool | Callable[..., object] = False,
-    on_duplicate: Callable[..., Any] | None = None,
-    fail_open: bool = False,
-    store_result: bool = False,
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[..., Awaitable[R]]], Callable[..., Awaitable[R | None]]]: ...
+def idempotent(checker: TransactionalSqlChecker | AsyncTransactionalSqlChecker,
+               key: Callable[..., object] | None = None,
+               **options: Unpack[IdempotentOptions]) -> GuardedTx: ...
 
 
 @overload
-def idempotent(
-    checker: AsyncChecker,
-    key: Callable[..., object] | None = None,
-    *,
-    group: str | None = None,
-    fingerprint: bool | Callable[..., object] = False,
-    on_duplicate: Callable[..., Any] | None = None,
-    fail_open: bool = False,
-    store_result: bool = False,
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R | None]]]: ...
-
-
-@overload
-def idempotent(
-    checker: Checker,
-    key: Callable[..., object] | None = None,
-    *,
-    group: str | None = None,
-    fingerprint: bool | Callable[..., object] = False,
-    on_duplicate: Callable[..., Any] | None = None,
-    fail_open: bool = False,
-    store_result: bool = False,
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
+def idempotent(checker: Checker | AsyncChecker, key: Callable[..., object] | None = None,
+               **options: Unpack[IdempotentOptions]) -> Guarded: ...
 
 
 def idempotent(
@@ -218,7 +219,7 @@ def idempotent(
     fail_open: bool = False,
     store_result: bool = False,
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+) -> Any:
     """Run the decorated handler at most once per idempotency key.
 
     Args:

@@ -258,8 +258,7 @@ class RedisChecker(LeaseChecker):
             "namespace": namespace, "ttl": ttl, "lease": lease, "max_key_bytes": max_key_bytes,
             "policy": policy, "write_behind": write_behind}
         scripts = _scripts(lease, ttl, cluster=hasattr(client, "get_nodes"))
-        super().__init__(RedisStore(client, scripts, redis_transient(redis_module),
-                                    redis_module.exceptions.NoScriptError), **options)
+        super().__init__(RedisStore(client, scripts), **options)
         self._link = self.store.link
 
     def purge(self, older_than: float | timedelta | None = None) -> int:
@@ -302,7 +301,7 @@ class AsyncRedisChecker(AsyncLeaseChecker):
     """
 
     def __init__(self, client_or_url: Any, **options: Unpack[AsyncOptions]) -> None:
-        redis_module = require("redis", "redis")
+        require("redis", "redis")
         import redis.asyncio
 
         if isinstance(client_or_url, str):
@@ -322,9 +321,7 @@ class AsyncRedisChecker(AsyncLeaseChecker):
         settings: dict[str, Any] = {"namespace": "msgpatterns", "ttl": 86400, "lease": 30,
                                     "max_key_bytes": 512, **options}
         store = AsyncRedisStore(self.client, _scripts(settings["lease"], settings["ttl"],
-                                                      cluster=False),
-                                redis_transient(redis_module),
-                                redis_module.exceptions.NoScriptError)
+                                                      cluster=False))
         super().__init__(store, **settings)
 
     def _where(self) -> str:
@@ -359,17 +356,25 @@ def _from_url(cls: Any, url: str, **options: Any) -> Any:
         ) from None
 
 
-class RedisStore:
+class _Store:
+    """What both Redis stores hold: the client, the scripts, redis-py's errors."""
+
+    def __init__(self, client: Any, scripts: RedisScripts) -> None:
+        redis_module = require("redis", "redis")
+        self.client = client
+        self.scripts = scripts
+        self.transient = redis_transient(redis_module)
+        self._no_script: type[BaseException] = redis_module.exceptions.NoScriptError
+
+
+class RedisStore(_Store):
     """The sync lease store on Redis: the scripts sent over a :class:`RedisLink` (one
     connection per thread), or as one pipeline of single-key calls on a cluster."""
 
-    def __init__(self, client: redis.Redis, scripts: RedisScripts,
-                 transient: tuple[type[BaseException], ...],
-                 no_script: type[BaseException]) -> None:
-        self.client = client
-        self.scripts = scripts
-        self.transient = transient
-        self._no_script = no_script
+    client: redis.Redis
+
+    def __init__(self, client: redis.Redis, scripts: RedisScripts) -> None:
+        super().__init__(client, scripts)
         self.link = RedisLink(client)
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
@@ -419,17 +424,9 @@ class RedisStore:
         return [answer[0] for answer in answers]
 
 
-class AsyncRedisStore:
+class AsyncRedisStore(_Store):
     """The async lease store on ``redis.asyncio``: the same scripts and replies as
     :class:`RedisStore`, awaited."""
-
-    def __init__(self, client: Any, scripts: RedisScripts,
-                 transient: tuple[type[BaseException], ...],
-                 no_script: type[BaseException]) -> None:
-        self.client = client
-        self.scripts = scripts
-        self.transient = transient
-        self._no_script = no_script
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
         replies = await self._run(self.scripts.claim_calls(requests))
