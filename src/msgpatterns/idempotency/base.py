@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, runtime_checkable
 
 from msgpatterns.errors import ConfigurationError, MsgPatternsError, StoreUnavailable, seconds
@@ -63,6 +64,7 @@ from msgpatterns.idempotency.results import (
     check_max_result_bytes,
 )
 from msgpatterns.idempotency.write_behind import AsyncWriteBehind, WriteBehind
+from msgpatterns.observability import stats as _obs
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.spec import CheckerSpec
@@ -239,13 +241,14 @@ def perform_io(operation: Callable[[Any], R], io: Io, policy: StorePolicy,
     """``operation(io.arg)``: one store round trip, reported to the telemetry listener,
     retried on ``transient`` errors per ``policy`` when ``io.retried`` (then
     :class:`StoreUnavailable`)."""
-    owner = stats.owner
-    with RoundTrip(owner, io.op if io.trip is None else io.trip):
+    if _obs.listener is None and io.retried:  # the hot path: nothing to report
+        return call_with_retries(partial(operation, io.arg), policy, transient,
+                                 what=f"{stats.owner}.{io.op}", on_error=stats.count_error)
+    with RoundTrip(stats.owner, io.op if io.trip is None else io.trip):
         if not io.retried:
             return operation(io.arg)
-        return call_with_retries(lambda: operation(io.arg), policy, transient,
-                                 what=f"{owner}.{io.op}",
-                                 on_error=lambda _: stats.add("store_errors"))
+        return call_with_retries(partial(operation, io.arg), policy, transient,
+                                 what=f"{stats.owner}.{io.op}", on_error=stats.count_error)
 
 
 async def aperform_io(operation: Callable[[Any], Awaitable[R]], io: Io, policy: StorePolicy,
@@ -255,7 +258,7 @@ async def aperform_io(operation: Callable[[Any], Awaitable[R]], io: Io, policy: 
     with RoundTrip(stats.owner, io.op if io.trip is None else io.trip):
         return await (acall_with_retries(lambda: operation(io.arg), policy, transient,
                                          what=f"{stats.owner}.{io.op}",
-                                         on_error=lambda _: stats.add("store_errors"))
+                                         on_error=stats.count_error)
                       if io.retried else operation(io.arg))
 
 

@@ -131,8 +131,9 @@ Steps = Generator["Io | Run", Any, R]
 
 
 class _Machine(Generic[R]):
-    """The steps being driven: ``advance`` hands them the last step's reply (or its
-    error) and returns the next step, or None once they returned ``value``."""
+    """The steps being driven by :func:`adrive`: ``advance`` hands them the last step's
+    reply (or its error) and returns the next step, or None once they returned
+    ``value``."""
 
     __slots__ = ("steps", "value")
 
@@ -147,34 +148,31 @@ class _Machine(Generic[R]):
             return None
 
 
-def _call(step: Io | Run, perform: Callable[[Io], Any], run: Callable[[Any], Any]) -> Any:
-    return run(step.tx) if type(step) is Run else perform(step)  # type: ignore[arg-type]
-
-
-def _outcome(step: Io | Run, perform: Callable[[Io], Any],
-             run: Callable[[Any], Any]) -> tuple[Any, BaseException | None]:
-    try:
-        return _call(step, perform, run), None
-    except BaseException as exc:  # handed to the steps, which decide
-        return None, exc
-
-
 async def _awaited(step: Io | Run, perform: Callable[[Io], Awaitable[Any]],
                    run: Callable[[Any], Awaitable[Any]]) -> tuple[Any, BaseException | None]:
     try:
-        return await _call(step, perform, run), None
+        return await (run(step.tx) if type(step) is Run else perform(step)), None  # type: ignore[arg-type]
     except BaseException as exc:  # a CancelledError included: the steps clean up
         return None, exc
 
 
 def drive(steps: Steps[R], perform: Callable[[Io], Any], run: Callable[[Any], Any]) -> R:
     """Perform ``steps`` synchronously: each :class:`Io` by ``perform``, each
-    :class:`Run` by ``run(tx)``; an error of either is thrown back into the steps."""
-    machine = _Machine(steps)
-    step = machine.advance(None, None)
-    while step is not None:
-        step = machine.advance(*_outcome(step, perform, run))
-    return machine.value
+    :class:`Run` by ``run(tx)``; an error of either is thrown back into the steps.
+    (The per-message hot path of every sync checker: one loop, no helper calls.)"""
+    send, throw = steps.send, steps.throw
+    reply: Any = None
+    try:
+        step = send(None)
+        while True:
+            try:
+                reply = run(step.tx) if type(step) is Run else perform(step)  # type: ignore[arg-type]
+            except BaseException as exc:  # handed to the steps, which decide
+                step = throw(exc)
+            else:
+                step = send(reply)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
 
 
 async def adrive(steps: Steps[R], perform: Callable[[Io], Awaitable[Any]],
@@ -291,6 +289,9 @@ def owned_requests(claims: Iterable[Claim]) -> list[ClaimRequest]:
 
 def log_lost(claims: Sequence[Claim], done: Sequence[bool], stats: IdempotencyStats) -> None:
     """Rule 2's bookkeeping: count completions; log each lost lease (not overwritten)."""
+    if all(done):
+        stats.add("completed", len(done))
+        return
     lost = [claim for claim, ok in zip(claims, done, strict=True) if not ok]
     stats.add_all({"completed": len(claims) - len(lost), "lost_leases": len(lost)})
     for claim in lost:
@@ -342,9 +343,7 @@ def claim_many_steps(rules: LeaseRules, store_keys: Sequence[str],
     for store_key, fingerprint in zip(store_keys, prints, strict=True):
         held = queued.get(store_key)
         if held is not None:  # done here, not written yet
-            conflict = fingerprint is not None and held.fingerprint not in (None, fingerprint)
-            claim = Claim(store_key, Status.CONFLICT if conflict else Status.DONE,
-                          result=held.result)
+            claim = _queued(held, fingerprint)
         elif store_key in seen:  # a later copy: never the owner
             record = records[store_key]
             claim = classify(store_key, record, "", fingerprint)
@@ -358,6 +357,27 @@ def claim_many_steps(rules: LeaseRules, store_keys: Sequence[str],
         claims.append(claim)
     count_claims(rules.stats, claims)
     return claims
+
+
+def _queued(held: Claim, fingerprint: str | None) -> Claim:
+    """A key whose completion write-behind still holds: DONE (or a CONFLICT for another
+    fingerprint) without asking the store."""
+    conflict = fingerprint is not None and held.fingerprint not in (None, fingerprint)
+    return Claim(held.key, Status.CONFLICT if conflict else Status.DONE, result=held.result)
+
+
+def claim_one_steps(rules: LeaseRules, store_key: str,
+                    fingerprint: str | None) -> Steps[Claim]:
+    """:func:`claim_many_steps` for one key (a message's guarded call: its hot path)."""
+    held = rules.pending(store_key) if rules.pending is not None else None
+    if held is not None:
+        claim = _queued(held, fingerprint)
+    else:
+        token = new_token()
+        (record,) = yield Io("claim_many", [ClaimRequest(store_key, token, fingerprint)])
+        claim = classify(store_key, record, token, fingerprint)
+    rules.stats.add(_COUNTERS[claim.status])
+    return claim
 
 
 def complete_steps(rules: LeaseRules, claims: Sequence[Claim]) -> Steps[list[bool]]:
@@ -390,7 +410,7 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
     is logged: the effect happened, the lease expires and a later duplicate runs again.
     """
     try:
-        claims = yield from claim_many_steps(rules, [store_key], [fingerprint])
+        claim = yield from claim_one_steps(rules, store_key, fingerprint)
     except StoreUnavailable as exc:
         refusal = refuse_unavailable(rules.stats, store_key, exc,
                                      fail_open=options.fail_open,
@@ -398,8 +418,8 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
         if refusal is not None:
             raise refusal from exc
         return Executed(True, (yield Run(None)), None)
-    claim = claims[0]
-    if claim.token is None:
+    token = claim.token
+    if token is None:
         return skip_or_raise(claim, options.store_result)
     try:
         result = yield Run(None)
@@ -417,7 +437,9 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
     if rules.pending is not None and (yield Io("queue", claim, retried=False)):
         return Executed(True, result, claim)
     try:
-        yield from complete_steps(rules, [claim])
+        done = yield Io("complete_many", [ClaimRequest(claim.key, token, claim.fingerprint,
+                                                       claim.result)])
+        log_lost([claim], done, rules.stats)
     except StoreUnavailable as exc:
         log.error(
             "effect for %s applied but not recorded as done (%s); the lease will "
