@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from async_db import async_url
+from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from ordering_db import engine_for
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def engine(sql_url: str) -> Iterator[Engine]:
+    """A sync Engine on ``sql_url``'s database (for setting up and checking)."""
+    with engine_for(sql_url) as engine:
+        yield engine
 
 
 @pytest.fixture

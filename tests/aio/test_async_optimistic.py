@@ -16,7 +16,7 @@ from msgpatterns import NeedRetry, optimistic_update
 from msgpatterns.aio import AsyncVersionGuard
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.ordering import async_optimistic_update
-from ordering_db import engine_for, orders_table
+from ordering_db import orders_table
 from test_ordering_optimistic import Cell as SyncCell
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
@@ -107,12 +107,6 @@ def test_misuse_is_refused_before_anything_runs() -> None:
         async_optimistic_update(attempts=0)
     with pytest.raises(TypeError, match="async def"):
         optimistic_update(cell.load, plus_one, cell.save)  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def engine(sql_url: str) -> Iterator[Engine]:
-    with engine_for(sql_url) as engine:
-        yield engine
 
 
 @pytest.fixture

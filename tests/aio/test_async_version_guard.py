@@ -17,18 +17,12 @@ from msgpatterns import NeedRetry
 from msgpatterns.aio import AsyncVersionGuard
 from msgpatterns.errors import ConfigurationError, MalformedMessage
 from msgpatterns.ordering import InvalidVersion, MissingVersion, VersionConflict, VersionGuard
-from ordering_db import engine_for, orders_table
+from ordering_db import orders_table
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 Mode = Literal["sync", "async"]
 MODES: list[Mode] = ["sync", "async"]
-
-
-@pytest.fixture
-def engine(sql_url: str) -> Iterator[Engine]:
-    with engine_for(sql_url) as engine:
-        yield engine
 
 
 @pytest.fixture
