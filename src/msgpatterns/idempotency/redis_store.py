@@ -31,7 +31,7 @@ from msgpatterns.idempotency.base import AsyncLeaseChecker, AsyncOptions, LeaseC
 from msgpatterns.idempotency.guard import ClaimRequest
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import PROCESSING, Record
-from msgpatterns.idempotency.redis_link import RedisLink
+from msgpatterns.idempotency.redis_link import AsyncRedisLink, RedisLink
 from msgpatterns.idempotency.spec import CheckerSpec, hide_password_in, policy_options, redact_url
 
 if TYPE_CHECKING:
@@ -328,6 +328,7 @@ class AsyncRedisChecker(AsyncLeaseChecker):
         return redact_url(self.url) if self.url is not None else type(self.client).__name__
 
     async def _aclose(self) -> None:
+        await self.astore.link.aclose()  # type: ignore[attr-defined]
         if self._owns_client:
             await self.client.aclose()
 
@@ -438,13 +439,18 @@ class AsyncRedisStore(_Store):
     async def release_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
         return [reply == 1 for reply in await self._run(self.scripts.release_calls(items))]
 
+    def __init__(self, client: Any, scripts: RedisScripts) -> None:
+        super().__init__(client, scripts)
+        self.link = AsyncRedisLink(client)
+
     async def _run(self, calls: list[Call]) -> list[Any]:
+        call = self.link.call
         replies: list[Any] = []
         for script, keys, args in calls:
             try:
-                reply = await self.client.evalsha(script.sha, len(keys), *keys, *args)
+                reply = await call("EVALSHA", script.sha, len(keys), *keys, *args)
             except self._no_script:
-                await self.client.script_load(script.script)
-                reply = await self.client.evalsha(script.sha, len(keys), *keys, *args)
+                await call("SCRIPT", "LOAD", script.script)
+                reply = await call("EVALSHA", script.sha, len(keys), *keys, *args)
             replies.extend(reply)
         return replies

@@ -267,6 +267,7 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         clock: Callable[[], float] = time.time,
         write_behind: float | timedelta | None = None,
     ) -> None:
+        require("sqlalchemy", "sql")  # MissingExtra naming msgpatterns[sql], first
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
         store = SqlLeaseStore(engine_or_url, table, clock, **_lease_options(ttl, lease))
@@ -303,6 +304,7 @@ class AsyncSqlChecker(AsyncLeaseChecker):
 
     def __init__(self, engine_or_url: AsyncEngine | str, table: str = "msgpatterns_dedup",
                  **options: Unpack[AsyncOptions]) -> None:
+        require("sqlalchemy", "sql")  # MissingExtra naming msgpatterns[sql], first
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
         settings: dict[str, Any] = {"ttl": 86400, "lease": 30, **options,
