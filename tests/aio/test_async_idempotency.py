@@ -318,3 +318,22 @@ def test_misuse_is_refused_at_decoration(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="use SqlChecker for a sync handler"):
         idempotent(aio)(sync_handler)
     sync.close()
+
+
+@pytest.mark.redis
+def test_an_async_redis_checker_serves_one_event_loop_after_another() -> None:
+    """asyncio.run twice with one checker (a script, a test suite): the connections
+    of the first loop are not reused on the second."""
+    url = services.require("redis")
+    checker = AsyncRedisChecker(url, namespace=f"test-{uuid.uuid4().hex[:10]}")
+    runs: list[str] = []
+
+    @idempotent(checker)
+    async def handle(message: Message) -> None:
+        runs.append(str(message.id))
+
+    asyncio.run(handle(Message({}, id="m-1")))
+    asyncio.run(handle(Message({}, id="m-1")))  # a duplicate, on a new loop
+    asyncio.run(handle(Message({}, id="m-2")))
+    assert runs == ["m-1", "m-2"]
+    asyncio.run(checker.aclose())

@@ -13,6 +13,7 @@ connection (the next call reconnects); the checker's policy decides about retrie
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import weakref
@@ -84,6 +85,7 @@ class AsyncRedisLink:
         self._direct = type(pool) is ConnectionPool
         self._pool = pool
         self._free: list[Any] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def call(self, *args: Any) -> Any:
         """Send one command and return its reply (error replies raise)."""
@@ -91,6 +93,9 @@ class AsyncRedisLink:
             return await self.client.execute_command(*args)
         from redis.exceptions import ResponseError
 
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # connections belong to the loop that opened them
+            self._loop, self._free = loop, []
         free = self._free
         if free:
             conn = free.pop()
@@ -113,5 +118,7 @@ class AsyncRedisLink:
     async def aclose(self) -> None:
         """Close the link's connections (used again, it reconnects)."""
         free, self._free = self._free, []
+        if self._loop is not asyncio.get_running_loop():
+            return  # another loop's connections: they went with it
         for conn in free:
             await conn.disconnect()
