@@ -18,6 +18,12 @@ same run. Every measurement alternates ours and the baseline over ``--repeats`` 
    keys claimed in one round trip and completed in one, DONE before the acks) vs
    Powertools' ``idempotent_function`` called per message, same Redis. Goal: >= 5x
    faster per message.
+6. The guard's own cost: ``@idempotent`` on a MemoryChecker per new message (no
+   network: the six rules, keys and counters) vs the bare handler call. Reported, for
+   comparing versions (run the script with each version's sources on the path).
+7. Async ``@idempotent`` on an ``async def`` with AsyncRedisChecker (``redis.asyncio``,
+   one message after another on the loop) vs the sync ``@idempotent`` with RedisChecker,
+   per message, strict. Goal: >= 0.8x the sync rate.
 
     python benchmarks/bench_idempotency.py [--keys N] [--repeats R]
         [--redis-url URL] [--postgres-url URL]
@@ -343,6 +349,93 @@ def consumer_batch_vs_powertools(url: str, n: int, repeats: int) -> None:
     cleanup(client, "*process#*")
 
 
+def guard_cost(n: int, repeats: int) -> None:
+    """6: what the rules cost per message, without a network."""
+    from msgpatterns.idempotency import MemoryChecker
+
+    keys = Keys()
+
+    def process(record: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True}
+
+    checker = MemoryChecker()
+    guarded = idempotent(checker, key=lambda record: record["order_id"])(process)
+
+    def timing(call: Callable[[dict[str, Any]], Any]) -> float:
+        records = [{"order_id": key} for key in keys.fresh(n)]
+        start = time.perf_counter()
+        for record in records:
+            call(record)
+        return time.perf_counter() - start
+
+    mine, base = median_pair(repeats, lambda: timing(guarded), lambda: timing(process))
+    bench_line("idempotency.guard_cost", "us per new message, @idempotent(MemoryChecker) "
+               "vs the bare handler", mine / n * 1e6, base / n * 1e6, base / mine,
+               "reported", True, messages=n)
+
+
+def async_vs_sync(url: str, n: int, repeats: int) -> None:
+    """7: async @idempotent on AsyncRedisChecker vs the sync one on RedisChecker."""
+    import asyncio
+
+    client = redis.Redis.from_url(url)
+    keys = Keys()
+    sync_checker = RedisChecker(client, namespace="bench")
+    loop = asyncio.new_event_loop()
+    try:
+        from msgpatterns.idempotency import AsyncRedisChecker
+
+        async_checker: Any = AsyncRedisChecker(url, namespace="bench")
+    except ImportError:
+        async_checker = None
+
+    @idempotent(sync_checker, key=lambda record: record["order_id"])
+    def sync_process(record: dict[str, Any]) -> None:
+        pass
+
+    async def async_process(record: dict[str, Any]) -> None:
+        pass
+
+    if async_checker is not None:
+        async_process = idempotent(async_checker, key=lambda record: record["order_id"])(
+            async_process)
+
+    def sync_round() -> float:
+        records = [{"order_id": key} for key in keys.fresh(n)]
+        start = time.perf_counter()
+        for record in records:
+            sync_process(record)
+        return time.perf_counter() - start
+
+    async def all_records(records: list[dict[str, Any]]) -> None:
+        for record in records:
+            await async_process(record)
+
+    def async_round() -> float:
+        records = [{"order_id": key} for key in keys.fresh(n)]
+        start = time.perf_counter()
+        loop.run_until_complete(all_records(records))
+        return time.perf_counter() - start
+
+    if async_checker is None:  # an older version on the path: the sync side only
+        mine = base = statistics.median(sync_round() for _ in range(repeats + 1))
+        bench_line("idempotency.async_vs_sync", "us per new message, sync @idempotent "
+                   "(RedisChecker), strict (no async checker in this version)",
+                   mine / n * 1e6, base / n * 1e6, 1.0, "reported", True, messages=n)
+        sync_checker.close()
+        return
+    mine, base = median_pair(repeats, async_round, sync_round)
+    ratio = base / mine
+    bench_line("idempotency.async_vs_sync", "us per new message, async @idempotent "
+               "(AsyncRedisChecker) vs sync @idempotent (RedisChecker), strict",
+               mine / n * 1e6, base / n * 1e6, ratio, ">= 0.8x the sync rate", ratio >= 0.8,
+               messages=n)
+    loop.run_until_complete(async_checker.aclose())
+    loop.close()
+    sync_checker.close()
+    cleanup(client, "bench:*")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -350,15 +443,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--redis-url", default=services.url("redis"))
     parser.add_argument("--postgres-url", default=services.url("postgres"))
-    parser.add_argument("--only", choices=["powertools"], default=None,
-                        help="only the comparisons with Powertools (4 and 5)")
+    parser.add_argument("--only", choices=["powertools", "versions"], default=None,
+                        help="only the comparisons with Powertools (4 and 5), or only "
+                        "the rows that compare versions (1, 2, 6, 7)")
     args = parser.parse_args()
+    if args.only == "versions":
+        redis_single(args.redis_url, args.keys, args.repeats)
+        redis_batch(args.redis_url, args.keys * 4, args.repeats)
+        guard_cost(args.keys * 4, args.repeats)
+        async_vs_sync(args.redis_url, args.keys, args.repeats)
+        return
     if args.only is None:
         redis_single(args.redis_url, args.keys, args.repeats)
         redis_batch(args.redis_url, args.keys * 4, args.repeats)
         postgres_batch(args.postgres_url, args.keys, args.repeats)
     decorator_vs_powertools(args.redis_url, args.keys, args.repeats)
     consumer_batch_vs_powertools(args.redis_url, args.keys, args.repeats)
+    if args.only is None:
+        guard_cost(args.keys * 4, args.repeats)
+        async_vs_sync(args.redis_url, args.keys, args.repeats)
 
 
 if __name__ == "__main__":

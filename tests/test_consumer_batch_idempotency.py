@@ -39,8 +39,11 @@ class RoundTrips:
     def __init__(self, checker: LeaseChecker) -> None:
         self.calls: Counter[str] = Counter()
         self.keys: Counter[str] = Counter()
-        for name in ("_claim_records", "_complete_records", "_release_records"):
-            setattr(checker, name, self._counting(name, getattr(checker, name)))
+        for name, operation in (("_claim_records", "claim_many"),
+                                ("_complete_records", "complete_many"),
+                                ("_release_records", "release_many")):
+            setattr(checker.store, operation,
+                    self._counting(name, getattr(checker.store, operation)))
 
     def _counting(self, name: str, io: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def call(items: Any) -> Any:
@@ -260,13 +263,13 @@ def test_a_crash_before_the_batch_completion_reruns_its_messages_after_the_lease
 
         crashed = threading.Event()
         claimed_at: list[float] = []
-        claim_records = checker._claim_records
+        claim_records = checker.store.claim_many
 
         def claim(requests: Any) -> Any:
             claimed_at.append(broker.now())
             return claim_records(requests)
 
-        checker._claim_records = claim  # type: ignore[method-assign]
+        checker.store.claim_many = claim  # type: ignore[method-assign]
 
         def crash(claims: Any) -> None:
             crashed.set()

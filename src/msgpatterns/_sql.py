@@ -104,8 +104,10 @@ def transient_errors(
         sa.exc.TimeoutError,
     )
     if dialect is not None:
-        dbapi = dialect.loaded_dbapi
-        errors += (dbapi.OperationalError, dbapi.InterfaceError)
+        dbapi = dialect.loaded_dbapi  # an async driver's adapter may lack one of them
+        errors += tuple(kind for kind in (getattr(dbapi, "OperationalError", None),
+                                          getattr(dbapi, "InterfaceError", None))
+                        if isinstance(kind, type))
     return errors
 
 

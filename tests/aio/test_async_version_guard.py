@@ -6,49 +6,23 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
 from sqlalchemy import Engine, Table, select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from msgpatterns import NeedRetry
 from msgpatterns.aio import AsyncVersionGuard
 from msgpatterns.errors import ConfigurationError, MalformedMessage
 from msgpatterns.ordering import InvalidVersion, MissingVersion, VersionConflict, VersionGuard
-from ordering_db import engine_for, orders_table
+from ordering_db import orders_table
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 Mode = Literal["sync", "async"]
 MODES: list[Mode] = ["sync", "async"]
-
-
-def async_url(url: str) -> str:
-    """The async driver's URL for one of the test databases."""
-    if url.startswith("sqlite:"):
-        return url.replace("sqlite:", "sqlite+aiosqlite:", 1)
-    if url.startswith("mysql+pymysql:"):
-        return url.replace("mysql+pymysql:", "mysql+aiomysql:", 1)
-    assert url.startswith("postgresql+psycopg:"), url  # psycopg 3 serves both
-    return url
-
-
-@pytest.fixture
-def engine(sql_url: str) -> Iterator[Engine]:
-    with engine_for(sql_url) as engine:
-        yield engine
-
-
-@pytest.fixture
-async def aengine(sql_url: str) -> AsyncIterator[AsyncEngine]:
-    connect_args: dict[str, Any] = {"timeout": 30} if sql_url.startswith("sqlite") else {}
-    engine = create_async_engine(async_url(sql_url), connect_args=connect_args)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 @pytest.fixture

@@ -34,6 +34,14 @@ def rabbit(policy: RetryPolicy = POLICY) -> tuple[RabbitBroker, RabbitRouter]:
     return broker, RabbitRouter(middlewares=[MsgpatternsMiddleware(policy)])
 
 
+async def publish_twice(broker: RabbitBroker, router: RabbitRouter) -> None:
+    """Publish order-1 twice (a duplicate) to the router's "orders" subscriber."""
+    broker.include_router(router)
+    async with TestRabbitBroker(broker) as test:
+        await test.publish({"n": 1}, queue="orders", message_id="order-1")
+        await test.publish({"n": 1}, queue="orders", message_id="order-1")
+
+
 def test_duplicates_are_skipped_by_idempotent_on_a_sync_handler() -> None:
     broker, router = rabbit()
     ran: list[dict[str, Any]] = []
@@ -44,14 +52,30 @@ def test_duplicates_are_skipped_by_idempotent_on_a_sync_handler() -> None:
         assert delivery.id == "order-1" and delivery.attempt == 1
         ran.append(body)
 
-    async def scenario() -> None:
-        broker.include_router(router)
-        async with TestRabbitBroker(broker) as test:
-            await test.publish({"n": 1}, queue="orders", message_id="order-1")
-            await test.publish({"n": 1}, queue="orders", message_id="order-1")
-
-    run(scenario())
+    run(publish_twice(broker, router))
     assert ran == [{"n": 1}]
+
+
+def test_an_async_idempotent_handler_runs_once_and_a_failed_body_is_retried() -> None:
+    """@idempotent on an async def handler (an async checker): a duplicate is skipped,
+    and a body that fails is redelivered by the middleware and runs again (the key was
+    released, never marked DONE before the body ran)."""
+    broker, router = rabbit(RetryPolicy(max_attempts=3, backoff=Backoff.levels([0.0]),
+                                        local_retries=1))
+    ran: list[dict[str, Any]] = []
+    failures: list[int] = []
+
+    @router.subscriber("orders")
+    @idempotent(MemoryChecker())
+    async def handle(body: dict[str, Any], delivery: Delivery) -> None:
+        await asyncio.sleep(0)
+        if not failures:
+            failures.append(delivery.attempt)
+            raise RuntimeError("the body failed")
+        ran.append(body)
+
+    run(publish_twice(broker, router))
+    assert failures == [1] and ran == [{"n": 1}]
 
 
 def test_a_failure_is_republished_to_the_ttl_queue_with_the_next_attempt() -> None:

@@ -87,13 +87,33 @@ class _AsyncCallable:
 @pytest.mark.parametrize("handler", [
     _async_handler, _AsyncCallable(), functools.partial(_async_handler),
 ], ids=["async-def", "async-callable-object", "partial-of-async-def"])
-def test_async_handler_is_refused_at_decoration(handler: Any) -> None:
+def test_async_handler_on_a_sync_checker_is_refused_at_decoration(
+        handler: Any, tmp_path: Path) -> None:
     """Hole 3: @idempotent on an async handler used to mark the key DONE as soon as the
-    coroutine object was returned, before its body ran; it is refused when decorated."""
-    checker = MemoryChecker()
-    with pytest.raises(TypeError, match=r"async def.*@idempotent"):
+    coroutine object was returned, before its body ran. A sync-only checker refuses it
+    when decorated, naming the async checker to use."""
+    checker = SqlChecker(f"sqlite:///{tmp_path / 'hole3.db'}")
+    with pytest.raises(TypeError, match=r"async def.*AsyncSqlChecker.*@idempotent"):
         idempotent(checker)(handler)
-    assert len(checker) == 0
+    checker.close()
+
+
+@pytest.mark.parametrize("handler", [
+    _async_handler, _AsyncCallable(), functools.partial(_async_handler),
+], ids=["async-def", "async-callable-object", "partial-of-async-def"])
+def test_a_failing_async_body_is_retried_never_skipped(handler: Any) -> None:
+    """Hole 3 closed for good: on an async checker the wrapper awaits the body before
+    anything is marked DONE, so a body that fails releases the key and the redelivery
+    runs it again (and fails again), never skipped as a duplicate."""
+    import asyncio
+
+    checker = MemoryChecker()
+    guarded = idempotent(checker)(handler)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="never awaited"):
+            asyncio.run(guarded(Message({}, id="m-1")))
+    assert checker.stats.completed == 0 and checker.stats.duplicates == 0
+    assert checker.stats.claimed == 2 and checker.stats.released == 2
 
 
 def test_async_key_and_on_duplicate_are_refused() -> None:

@@ -39,6 +39,7 @@ from msgpatterns.idempotency import (
     TransactionalSqlChecker,
 )
 from msgpatterns.idempotency.base import LeaseChecker
+from msgpatterns.idempotency.guard import Io
 from msgpatterns.message import Message
 from msgpatterns.ordering import VersionGuard
 from msgpatterns.testing import services
@@ -117,20 +118,21 @@ def lease_handler(
     effects: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
     transient = run.transient(make_error or (lambda: checker.transient[0]("injected")))
-    transient.wrap(checker, "_claim_record")
-    transient.wrap(checker, "_complete_record", cap=ATTEMPTS - 1)  # completion succeeds
-    transient.wrap(checker, "_release_records")
-    release_many = checker.release_many
+    store = checker.store
+    transient.wrap(store, "claim_many")
+    transient.wrap(store, "complete_many", cap=ATTEMPTS - 1)  # completion succeeds
+    transient.wrap(store, "release_many")
+    perform = checker._perform  # every store operation the guard asks for
 
-    def release_unless_crashed(claims: Any) -> list[bool]:
-        if plan.take_crashing():
+    def release_unless_crashed(io: Io) -> Any:
+        if io.op == "release_many" and plan.take_crashing():
             if expire is not None:
-                for claim in claims:
-                    expire(claim.key)
-            return [False] * len(claims)
-        return release_many(claims)
+                for item in io.arg:
+                    expire(item.key)
+            return [False] * len(io.arg)
+        return perform(io)
 
-    checker.release_many = release_unless_crashed  # type: ignore[method-assign]
+    checker._perform = release_unless_crashed  # type: ignore[method-assign]
 
     @idempotent(checker, group="g")
     def handle(message: Message) -> None:
@@ -149,7 +151,7 @@ def lease_handler(
 
 def memory_checker(run: Run) -> MemoryChecker:
     checker = MemoryChecker(ttl=TTL, lease=LEASE, clock=run.broker.now)
-    checker.transient = (ConnectionError,)  # the fault injected below, retried like a store's
+    checker.store.transient = (ConnectionError,)  # the fault injected below, retried like a store's
     checker.policy = STORE_POLICY
     return checker
 
@@ -315,7 +317,7 @@ def transactional_run(engine: sa.Engine, dedup: str, effects: sa.Table) -> Calla
         plan = run.plan
         checker = TransactionalSqlChecker(engine, table=dedup, ttl=TTL,
                                           namespace=f"n{run.id}", policy=STORE_POLICY)
-        run.transient(injected_sql_error).wrap(checker, "_begin")
+        run.transient(injected_sql_error).wrap(checker.store, "begin")
 
         @idempotent(checker, group="g")
         def handle(message: Message, tx: sa.Connection) -> None:

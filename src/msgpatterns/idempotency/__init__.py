@@ -7,6 +7,11 @@ handler's own writes (exactly-once effects); the lease-based checkers give
 at-least-once effects across crashes and exactly-once otherwise. See
 ``docs/idempotency.md``.
 
+``async def`` handlers take the async checkers - :class:`AsyncRedisChecker`
+(``redis.asyncio``), :class:`AsyncSqlChecker` and :class:`AsyncTransactionalSqlChecker`
+(SQLAlchemy ``AsyncEngine``) - or :class:`MemoryChecker`: the same ``@idempotent``, the
+same rules (one guard, :mod:`msgpatterns.idempotency.guard`), only the I/O awaited.
+
 Redis and SQL checkers are imported on first use, so ``import msgpatterns`` needs
 neither redis nor SQLAlchemy.
 """
@@ -16,7 +21,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from msgpatterns._extras import lazy_attributes
-from msgpatterns.idempotency.base import Checker, CheckerClosed, Executed, LeaseChecker
+from msgpatterns.idempotency.base import (
+    AsyncChecker,
+    AsyncLeaseChecker,
+    BatchChecker,
+    Checker,
+    CheckerClosed,
+    Executed,
+    LeaseChecker,
+)
 from msgpatterns.idempotency.decorator import MissingIdempotencyKey, idempotent
 from msgpatterns.idempotency.fingerprint import fingerprint_of
 from msgpatterns.idempotency.keys import KeyBuilder
@@ -27,14 +40,21 @@ from msgpatterns.idempotency.results import ResultNotSerialisable, ResultNotStor
 from msgpatterns.idempotency.spec import CheckerSpec, checker_from_spec, checker_from_url
 
 if TYPE_CHECKING:
-    from msgpatterns.idempotency.redis_store import RedisChecker
-    from msgpatterns.idempotency.sql import SqlChecker
+    from msgpatterns.idempotency.redis_store import AsyncRedisChecker, RedisChecker
+    from msgpatterns.idempotency.sql import AsyncSqlChecker, SqlChecker
     from msgpatterns.idempotency.transactional import (
+        AsyncTransactionalSqlChecker,
         TransactionAborted,
         TransactionalSqlChecker,
     )
 
 __all__ = [
+    "AsyncChecker",
+    "AsyncLeaseChecker",
+    "AsyncRedisChecker",
+    "AsyncSqlChecker",
+    "AsyncTransactionalSqlChecker",
+    "BatchChecker",
     "Checker",
     "CheckerClosed",
     "CheckerSpec",
@@ -60,6 +80,9 @@ __all__ = [
 ]
 
 _LAZY = {
+    "AsyncRedisChecker": "msgpatterns.idempotency.redis_store",
+    "AsyncSqlChecker": "msgpatterns.idempotency.sql",
+    "AsyncTransactionalSqlChecker": "msgpatterns.idempotency.transactional",
     "RedisChecker": "msgpatterns.idempotency.redis_store",
     "SqlChecker": "msgpatterns.idempotency.sql",
     "TransactionalSqlChecker": "msgpatterns.idempotency.transactional",

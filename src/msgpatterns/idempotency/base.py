@@ -20,9 +20,9 @@ Each key is absent, ``PROCESSING`` (owner token, lease expiry) or ``DONE`` (kept
    :class:`~msgpatterns.errors.NeedRetry` is raised with a delay. Nothing is
    processed without dedup unless the caller opted in (``fail_open``).
 
-A store subclass of :class:`LeaseChecker` only does I/O: claim a batch of keys and
-report what it found (with a DONE record's stored result text), complete (storing each
-item's result text, if any) or release a batch of (key, token) pairs, purge.
+The rules are applied once, by :mod:`msgpatterns.idempotency.guard`, for every store
+(:mod:`msgpatterns.idempotency.store`: claim, complete, release in batch form) and for
+sync and async checkers alike. A checker is a store, the guard, and a driver.
 
 Lease checkers give *at-least-once* effects across crashes: if the process dies after
 the handler's effect and before ``complete``, the lease expires and a redelivery
@@ -32,100 +32,62 @@ commits the dedup record with the effect and so applies it exactly once.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import time
-from abc import ABC, abstractmethod
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, runtime_checkable
 
-from msgpatterns.errors import (
-    ConfigurationError,
-    IdempotencyConflict,
-    InProgress,
-    MsgPatternsError,
-    NeedRetry,
-    StoreUnavailable,
-    seconds,
+from msgpatterns.errors import ConfigurationError, MsgPatternsError, StoreUnavailable, seconds
+from msgpatterns.idempotency.guard import (
+    ClaimRequest,
+    Executed,
+    Io,
+    LeaseRules,
+    Options,
+    RoundTrip,
+    Steps,
+    adrive,
+    claim_many_steps,
+    complete_steps,
+    drive,
+    lease_steps,
+    new_token,
+    release_steps,
+    with_result,
 )
 from msgpatterns.idempotency.keys import KeyBuilder
-from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
-from msgpatterns.idempotency.records import DONE, Claim, IdempotencyStats, Record, Status
+from msgpatterns.idempotency.policy import StorePolicy, acall_with_retries, call_with_retries
+from msgpatterns.idempotency.records import Claim, IdempotencyStats
 from msgpatterns.idempotency.results import (
     DEFAULT_MAX_RESULT_BYTES,
     check_max_result_bytes,
-    encode_result,
-    is_not_stored,
 )
-from msgpatterns.idempotency.write_behind import WriteBehind
+from msgpatterns.idempotency.write_behind import AsyncWriteBehind, WriteBehind
 from msgpatterns.observability import stats as _obs
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.spec import CheckerSpec
+    from msgpatterns.idempotency.store import AsyncStore, Store
 
 __all__ = [
+    "NO_RESULT",
+    "AsyncChecker",
+    "AsyncLeaseChecker",
+    "AsyncOptions",
+    "BatchChecker",
     "Checker",
     "CheckerClosed",
     "ClaimRequest",
     "Closable",
     "Executed",
     "LeaseChecker",
-    "NO_RESULT",
-    "claim_batch",
-    "with_result",
-    "classify",
-    "count_claims",
     "new_token",
-    "refuse_unavailable",
-    "skip_or_raise",
-    "unavailable",
 ]
 
 log = logging.getLogger("msgpatterns.idempotency")
 
 R = TypeVar("R")
-
-
-class _Tokens:
-    """Owner tokens: 64 random bits per process (drawn again after a fork) and a
-    64-bit counter; 32 hex characters, unique without a system call per token."""
-
-    def __init__(self) -> None:
-        self.reseed()
-        os.register_at_fork(after_in_child=self.reseed)
-
-    def reseed(self) -> None:
-        self.prefix = os.urandom(8).hex()
-        self.counter = itertools.count()
-
-    def __call__(self) -> str:
-        return f"{self.prefix}{next(self.counter):016x}"
-
-
-def reported_round_trip(owner: str, what: str, run: Callable[[], R]) -> R:
-    """``run()``, reported to the telemetry listener as one store round trip of
-    checker ``owner`` with its duration and outcome (nothing is done when no listener
-    is installed)."""
-    listener = _obs.listener
-    if listener is None:
-        return run()
-    started = time.perf_counter()
-    error: BaseException | None = None
-    try:
-        return run()
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        _obs.report(listener.store_round_trip, owner, what, time.perf_counter() - started,
-                    error)
-
-
-#: A fresh owner token, unique across processes and hosts.
-new_token = _Tokens()
 
 
 class CheckerClosed(MsgPatternsError):
@@ -156,16 +118,6 @@ class Closable:
         return True
 
 
-class ClaimRequest(NamedTuple):
-    """One key to claim with the token that will own it; to complete, also the result
-    text to store with the DONE mark (None: no result)."""
-
-    key: str
-    token: str
-    fingerprint: str | None
-    result: str | None = None
-
-
 class _NoResult:
     def __repr__(self) -> str:
         return "NO_RESULT"
@@ -175,69 +127,17 @@ class _NoResult:
 NO_RESULT: Any = _NoResult()
 
 
-def with_result(claim: Claim, value: object, stats: IdempotencyStats,
-                max_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> Claim:
-    """``claim`` carrying ``value``'s stored text, for its completion. A value that
-    cannot be stored (too large, not JSON) gives a text saying why: the key is still
-    completed (the effect happened), the failure is logged and counted."""
-    stored = encode_result(value, max_bytes, claim.key)
-    if is_not_stored(stored):
-        stats.add("results_not_stored")
-    return claim._replace(result=stored)
-
-
-class Executed(NamedTuple, Generic[R]):
-    """What :meth:`Checker.execute` did: ``ran`` is False when the key was DONE."""
-
-    ran: bool
-    result: R | None
-    claim: Claim | None
-
-
 @runtime_checkable
 class Checker(Protocol):
-    """What every checker offers: single and batch calls, and the guarded call used by
-    :func:`~msgpatterns.idempotency.idempotent`."""
+    """What ``@idempotent`` calls on a checker for sync handlers: the guarded call."""
 
     namespace: str
-    ttl: float
     stats: IdempotencyStats
     #: True when ``execute`` hands the handler a transaction (``tx``).
     passes_tx: bool
 
     def store_key(self, key: object, group: str = "") -> str:
         """The key as stored for ``key`` in ``group``."""
-        ...
-
-    def claim(self, key: object, *, group: str = "", fingerprint: str | None = None) -> Claim:
-        """Claim one key (rule 1) and report what was found."""
-        ...
-
-    def claim_many(
-        self, keys: Sequence[object], *, group: str = "",
-        fingerprints: Sequence[str | None] | None = None,
-    ) -> list[Claim]:
-        """Claim many keys in one round trip; one :class:`Claim` per key, in order."""
-        ...
-
-    def complete(self, claim: Claim, result: object = NO_RESULT, *,
-                 max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> bool:
-        """Mark a claimed key DONE (storing ``result`` as JSON, if given); False when
-        the lease was lost meanwhile."""
-        ...
-
-    def complete_many(self, claims: Sequence[Claim], results: Sequence[object] | None = None,
-                      *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> list[bool]:
-        """Complete many claimed keys in one round trip (with one result per claim, if
-        given)."""
-        ...
-
-    def release(self, claim: Claim) -> bool:
-        """Give a claimed key back (it becomes absent); False if no longer owned."""
-        ...
-
-    def release_many(self, claims: Sequence[Claim]) -> list[bool]:
-        """Release many claimed keys in one round trip."""
         ...
 
     def execute(
@@ -249,10 +149,6 @@ class Checker(Protocol):
         ``store_result`` a duplicate's ``Executed.result`` is the stored result."""
         ...
 
-    def purge(self, older_than: float | timedelta | None = None) -> int:
-        """Delete records that expired at least ``older_than`` ago; returns how many."""
-        ...
-
     def spec(self) -> CheckerSpec:
         """A picklable description from which another process rebuilds this checker."""
         ...
@@ -262,111 +158,70 @@ class Checker(Protocol):
         ...
 
 
-def classify(key: str, record: Record, token: str, fingerprint: str | None) -> Claim:
-    """Turn what a store found after a claim attempt into a :class:`Claim`."""
-    if record.token == token:
-        return Claim(key, Status.CLAIMED, token, fingerprint=fingerprint)
-    if fingerprint is not None and record.fingerprint not in (None, fingerprint):
-        return Claim(key, Status.CONFLICT)
-    if record.state == DONE:
-        return Claim(key, Status.DONE, result=record.result)
-    return Claim(key, Status.IN_PROGRESS, remaining=max(record.remaining, 0.0))
+@runtime_checkable
+class BatchChecker(Checker, Protocol):
+    """A checker with batch claims (the lease checkers): for batch and Spark use."""
+
+    def claim_many(
+        self, keys: Sequence[object], *, group: str = "",
+        fingerprints: Sequence[str | None] | None = None,
+    ) -> list[Claim]:
+        """Claim many keys in one round trip; one :class:`Claim` per key, in order."""
+        ...
+
+    def complete_many(self, claims: Sequence[Claim], results: Sequence[object] | None = None,
+                      *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> list[bool]:
+        """Complete many claimed keys in one round trip."""
+        ...
+
+    def release_many(self, claims: Sequence[Claim]) -> list[bool]:
+        """Release many claimed keys in one round trip."""
+        ...
 
 
-def skip_or_raise(checker: Checker, claim: Claim, store_result: bool = False) -> Executed[Any]:
-    """Rules 4 and 5 (and the fingerprint check) for a claim that was not won. With
-    ``store_result`` a DONE key's stored result is the outcome's ``result``
-    (:class:`~msgpatterns.idempotency.results.ResultNotStored` when it has none)."""
-    if claim.status is Status.DONE:
-        log.debug("duplicate skipped: %s is done", claim.key)
-        return Executed(False, claim.stored_result() if store_result else None, claim)
-    if claim.status is Status.IN_PROGRESS:
-        raise InProgress(
-            delay=claim.remaining, reason=f"idempotency key {claim.key!r} is being processed"
-        )
-    raise IdempotencyConflict(
-        f"idempotency key {claim.key!r} was seen with a different payload fingerprint"
-    )
+@runtime_checkable
+class AsyncChecker(Protocol):
+    """What ``@idempotent`` calls on a checker for ``async def`` handlers."""
+
+    namespace: str
+    stats: IdempotencyStats
+    passes_tx: bool
+
+    def store_key(self, key: object, group: str = "") -> str:
+        """The key as stored for ``key`` in ``group``."""
+        ...
+
+    async def aexecute(
+        self, key: object, call: Callable[[Any], Awaitable[R]], *, group: str = "",
+        fingerprint: str | None = None, fail_open: bool = False,
+        store_result: bool = False, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    ) -> Executed[R]:
+        """Await ``call`` at most once per key, following the same six rules."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections this checker created."""
+        ...
 
 
-def unavailable(
-    checker: Checker, key: str, call: Callable[[Any], R], error: StoreUnavailable,
-    *, fail_open: bool, delay: float,
-) -> Executed[R]:
-    """Rule 6 once retries are exhausted: NeedRetry, or run undeduplicated if opted in."""
-    refusal = refuse_unavailable(checker, key, error, fail_open=fail_open, delay=delay)
-    if refusal is not None:
-        raise refusal from error
-    return Executed(True, call(None), None)
+class AsyncOptions(TypedDict, total=False):
+    """The keyword options of the async checkers, as their sync forms take them
+    (``ttl``, ``lease``, ``namespace``, ``policy``, ``write_behind``; ``clock`` for SQL,
+    ``max_key_bytes`` for Redis): an async checker takes its sync form's defaults."""
+
+    namespace: str
+    ttl: float | timedelta
+    lease: float | timedelta
+    policy: StorePolicy | None
+    write_behind: float | timedelta | None
+    clock: Callable[[], float]
+    max_key_bytes: int
 
 
-def refuse_unavailable(checker: Checker, key: str, error: StoreUnavailable, *,
-                       fail_open: bool, delay: float) -> NeedRetry | None:
-    """Rule 6's verdict for ``key`` (counted): the :class:`NeedRetry` to fail it with,
-    or None when the caller opted in to process it WITHOUT dedup (logged)."""
-    checker.stats.add("unavailable")
-    if not fail_open:
-        refusal = NeedRetry(delay=delay, reason=f"idempotency store unavailable: {error}")
-        refusal.__cause__ = error
-        return refusal
-    checker.stats.add("processed_without_dedup")
-    log.warning("idempotency store unavailable, processing %s WITHOUT dedup: %s", key, error)
-    return None
-
-
-def claim_batch(
-    store_keys: Sequence[str],
-    fingerprints: Sequence[str | None] | None,
-    claim_records: Callable[[list[ClaimRequest]], list[Record]],
-    lease: float,
-) -> list[Claim]:
-    """Claim ``store_keys`` with one call of ``claim_records`` (each distinct key once).
-
-    A key repeated within the batch is claimed by its first copy; a later copy is
-    classified against what the first found, with its own fingerprint, as a message
-    arriving just after it would be: ``IN_PROGRESS`` while the first holds it (held by
-    this very batch), the same ``DONE``, or ``CONFLICT`` for another fingerprint.
-    """
-    prints = list(fingerprints) if fingerprints is not None else [None] * len(store_keys)
-    if len(prints) != len(store_keys):
-        raise ValueError("one fingerprint per key is needed")
-    requests: dict[str, ClaimRequest] = {}
-    for store_key, fingerprint in zip(store_keys, prints, strict=True):
-        if store_key not in requests:
-            requests[store_key] = ClaimRequest(store_key, new_token(), fingerprint)
-    batch = list(requests.values())
-    records = dict(zip(requests, claim_records(batch), strict=True)) if batch else {}
-    claims, seen = [], set()
-    for store_key, fingerprint in zip(store_keys, prints, strict=True):
-        record = records[store_key]
-        if store_key in seen:  # a later copy: never the owner
-            claim = classify(store_key, record, "", fingerprint)
-            if record.token == requests[store_key].token and claim.status is not \
-                    Status.CONFLICT:  # held by this very batch (committed or not)
-                claim = Claim(store_key, Status.IN_PROGRESS, remaining=lease)
-        else:
-            claim = classify(store_key, record, requests[store_key].token, fingerprint)
-        seen.add(store_key)
-        claims.append(claim)
-    return claims
-
-
-_COUNTERS = {Status.CLAIMED: "claimed", Status.DONE: "duplicates",
-             Status.IN_PROGRESS: "in_progress", Status.CONFLICT: "conflicts"}
-
-
-def count_claims(stats: IdempotencyStats, claims: Iterable[Claim]) -> None:
-    """Count claims by outcome."""
-    stats.add_all(Counter(_COUNTERS[claim.status] for claim in claims))
-
-
-def owned_requests(claims: Sequence[Claim]) -> list[ClaimRequest]:
-    items = []
-    for claim in claims:
-        if claim.token is None:
-            raise ValueError(f"{claim.key!r} was not claimed ({claim.status.value})")
-        items.append(ClaimRequest(claim.key, claim.token, claim.fingerprint, claim.result))
-    return items
+def _options(fail_open: bool, store_result: bool, max_result_bytes: int) -> Options:
+    if store_result:
+        check_max_result_bytes(max_result_bytes)
+    return Options(fail_open, store_result, max_result_bytes)
 
 
 def attach_results(claims: Sequence[Claim], results: Sequence[object] | None,
@@ -381,27 +236,50 @@ def attach_results(claims: Sequence[Claim], results: Sequence[object] | None,
             for claim, value in zip(claims, results, strict=True)]
 
 
-class LeaseChecker(Closable, ABC):
-    """Base of the checkers that hold a key with a lease while the handler runs.
+def perform_io(operation: Callable[[Any], R], io: Io, policy: StorePolicy,
+               transient: tuple[type[BaseException], ...], stats: IdempotencyStats) -> R:
+    """``operation(io.arg)``: one store round trip, reported to the telemetry listener,
+    retried on ``transient`` errors per ``policy`` when ``io.retried`` (then
+    :class:`StoreUnavailable`)."""
+    if _obs.listener is None and io.retried:  # the hot path: nothing to report
+        return call_with_retries(partial(operation, io.arg), policy, transient,
+                                 what=f"{stats.owner}.{io.op}", on_error=stats.count_error)
+    with RoundTrip(stats.owner, io.op if io.trip is None else io.trip):
+        if not io.retried:
+            return operation(io.arg)
+        return call_with_retries(partial(operation, io.arg), policy, transient,
+                                 what=f"{stats.owner}.{io.op}", on_error=stats.count_error)
 
-    Subclasses implement the store I/O (``_claim_records``, ``_complete_records``,
-    ``_release_records``, ``purge``, ``spec``) and declare ``transient``, the error
-    types worth retrying. Everything else - tokens, classification, the six rules,
-    retries, counters - lives here.
-    """
+
+async def aperform_io(operation: Callable[[Any], Awaitable[R]], io: Io, policy: StorePolicy,
+                      transient: tuple[type[BaseException], ...],
+                      stats: IdempotencyStats) -> R:
+    """:func:`perform_io` for an async store operation."""
+    with RoundTrip(stats.owner, io.op if io.trip is None else io.trip):
+        return await (acall_with_retries(lambda: operation(io.arg), policy, transient,
+                                         what=f"{stats.owner}.{io.op}",
+                                         on_error=stats.count_error)
+                      if io.retried else operation(io.arg))
+
+
+def _no_handler(tx: Any) -> Any:
+    raise AssertionError("these steps run no handler")
+
+
+class _LeaseBase(Closable):
+    """What every lease checker holds: keys, ttl and lease, the store policy, counters,
+    and the guard's view of them (:class:`~msgpatterns.idempotency.guard.LeaseRules`)."""
 
     passes_tx = False
-    #: Store errors that are retried (connection lost, timeout, lock wait...).
-    transient: tuple[type[BaseException], ...] = ()
 
     def __init__(
         self,
         *,
-        namespace: str,
         ttl: float | timedelta,
         lease: float | timedelta,
         max_key_bytes: int | None,
-        policy: StorePolicy | None,
+        namespace: str = "msgpatterns",
+        policy: StorePolicy | None = None,
         write_behind: float | timedelta | None = None,
     ) -> None:
         self.ttl = seconds(ttl) or 0.0
@@ -410,85 +288,89 @@ class LeaseChecker(Closable, ABC):
             raise ConfigurationError("ttl and lease must be positive")
         self.namespace = namespace
         self.keys = KeyBuilder(namespace, max_key_bytes)
-        self.policy = policy if policy is not None else StorePolicy()
         self.stats = IdempotencyStats()
         self.stats.owner = type(self).__name__
         interval = seconds(write_behind)
         if interval is not None and not 0 < interval < self.lease:
             raise ConfigurationError("write_behind must be positive and shorter than the lease")
         self.write_behind = interval
-        self._behind = WriteBehind(self, interval) if interval is not None else None
+        self.rules = LeaseRules(self.keys, self.stats, self.lease, 0.0)
+        self.policy = policy if policy is not None else StorePolicy()
 
-    # -- store I/O --------------------------------------------------------------------
+    @property
+    def policy(self) -> StorePolicy:
+        """Retries of an unreachable store, and the NeedRetry delay after them."""
+        return self._policy
 
-    @abstractmethod
-    def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
-        """Claim every request's key (distinct keys) atomically per key, in one round
-        trip; return each key's record as it stands after the attempt."""
-
-    def _claim_record(self, request: ClaimRequest) -> Record:
-        return self._claim_records([request])[0]
-
-    @abstractmethod
-    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        """Per claimed item: PROCESSING -> DONE (ttl) if the token matches, or a new DONE
-        record if the key is absent (the lease expired and nobody took it), keeping the
-        item's ``result`` text with it when there is one. True also when it is DONE
-        with that token already (a retried call); False when another owner holds it."""
-
-    def _complete_record(self, item: ClaimRequest) -> bool:
-        return self._complete_records([item])[0]
-
-    @abstractmethod
-    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        """Per claimed item: delete the PROCESSING record if the token matches."""
-
-    @abstractmethod
-    def purge(self, older_than: float | timedelta | None = None) -> int:
-        """Delete records that expired at least ``older_than`` ago."""
-
-    @abstractmethod
-    def spec(self) -> CheckerSpec:
-        """A picklable description of this checker."""
-
-    def _close(self) -> None:  # an optional hook, a no-op for most stores
-        """Release the store connections this checker created."""
-
-    # -- public API -------------------------------------------------------------------
+    @policy.setter
+    def policy(self, policy: StorePolicy) -> None:
+        self._policy = policy
+        self.rules.unavailable_delay = policy.unavailable_delay
 
     def store_key(self, key: object, group: str = "") -> str:
         return self.keys.build(key, group)
 
-    def _io(self, fn: Callable[[], R], what: str) -> R:
-        """One store operation (a round trip, retried on transient errors); reported
-        to the telemetry listener with its duration when one is installed."""
+    def _where(self) -> str:
+        """Where the store is, credentials redacted ("" when in process)."""
+        return ""
+
+    def __repr__(self) -> str:
+        where = self._where()
+        where = f"{where!r}, " if where else ""
+        return (f"{type(self).__name__}({where}namespace={self.namespace!r}, "
+                f"ttl={self.ttl:g}, lease={self.lease:g})")
+
+
+class LeaseChecker(_LeaseBase):
+    """Base of the sync checkers that hold a key with a lease while the handler runs.
+
+    A subclass builds its :class:`~msgpatterns.idempotency.store.Store` (``store``,
+    with the store's ``transient`` errors) and implements ``purge`` and ``spec``;
+    the rules, tokens, retries and counters are the guard's.
+    """
+
+    store: Store
+
+    def __init__(self, store: Store, **options: Any) -> None:
+        super().__init__(**options)
+        self.store = store
+        self._behind = WriteBehind(self, self.write_behind) \
+            if self.write_behind is not None else None
+        if self._behind is not None:
+            self.rules.pending = self._behind.pending
+
+    @property
+    def transient(self) -> tuple[type[BaseException], ...]:
+        """Store errors that are retried (connection lost, timeout, lock wait...)."""
+        return self.store.transient
+
+    def _perform(self, io: Io) -> Any:
+        """One store operation the guard asked for: a round trip, retried on transient
+        errors, reported to the telemetry listener."""
         self._check_open()
-        return reported_round_trip(self.stats.owner, what, lambda: call_with_retries(
-            fn, self.policy, self.transient, what=f"{type(self).__name__}.{what}",
-            on_error=lambda _: self.stats.add("store_errors"),
-        ))
+        if io.op == "queue":
+            return self._behind is not None and self._behind.add(io.arg)
+        return perform_io(getattr(self.store, io.op), io, self.policy, self.store.transient,
+                          self.stats)
+
+    def _drive(self, steps: Steps[R]) -> R:
+        return drive(steps, self._perform, _no_handler)
+
+    # -- public API -------------------------------------------------------------------
 
     def claim(self, key: object, *, group: str = "", fingerprint: str | None = None) -> Claim:
-        return self._claim(self.keys.build(key, group), fingerprint)
-
-    def _claim(self, store_key: str, fingerprint: str | None) -> Claim:
-        request = ClaimRequest(store_key, new_token(), fingerprint)
-        record = self._io(lambda: self._claim_record(request), "claim")
-        claim = classify(store_key, record, request.token, fingerprint)
-        self.stats.add(_COUNTERS[claim.status])
-        return claim
+        """Claim one key (rule 1) and report what was found."""
+        return self.claim_many([key], group=group,
+                               fingerprints=None if fingerprint is None else [fingerprint])[0]
 
     def claim_many(
         self, keys: Sequence[object], *, group: str = "",
         fingerprints: Sequence[str | None] | None = None,
     ) -> list[Claim]:
-        claims = claim_batch(
-            self.keys.build_many(keys, group), fingerprints,
-            lambda batch: self._io(lambda: self._claim_records(batch), "claim_many"),
-            self.lease,
-        )
-        count_claims(self.stats, claims)
-        return claims
+        """Claim many keys in one round trip; one :class:`Claim` per key, in order."""
+        self._check_open()
+        return self._drive(claim_many_steps(self.rules, self.keys.build_many(keys, group),
+                                            fingerprints))
 
     def complete(self, claim: Claim, result: object = NO_RESULT, *,
                  max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> bool:
@@ -497,42 +379,27 @@ class LeaseChecker(Closable, ABC):
         A result too large or not JSON-serialisable is not stored, but the key is
         completed all the same (the effect happened): logged, counted in
         ``stats.results_not_stored``, and a duplicate raises ``ResultNotStored``.
+        False when the lease was lost meanwhile.
         """
-        if result is not NO_RESULT:
-            claim = attach_results([claim], [result], self.stats, max_result_bytes)[0]
-        (item,) = owned_requests([claim])
-        done = self._io(lambda: self._complete_record(item), "complete")
-        self._after_complete([claim], [done])
-        return done
+        results = None if result is NO_RESULT else [result]
+        return self.complete_many([claim], results, max_result_bytes=max_result_bytes)[0]
 
     def complete_many(self, claims: Sequence[Claim], results: Sequence[object] | None = None,
                       *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> list[bool]:
         """:meth:`complete` for many claims in one round trip; ``results``: one per
         claim, stored with it."""
+        self._check_open()
         claims = attach_results(claims, results, self.stats, max_result_bytes)
-        items = owned_requests(claims)
-        done = self._io(lambda: self._complete_records(items), "complete_many") if items else []
-        self._after_complete(claims, done)
-        return done
-
-    def _after_complete(self, claims: Sequence[Claim], done: Sequence[bool]) -> None:
-        lost = [claim for claim, ok in zip(claims, done, strict=True) if not ok]
-        self.stats.add_all({"completed": len(claims) - len(lost), "lost_leases": len(lost)})
-        for claim in lost:
-            log.warning(
-                "lease on %s expired before completion and another owner took it; its "
-                "effect may be applied twice (raise the lease above the handler's longest "
-                "run)", claim.key,
-            )
+        return self._drive(complete_steps(self.rules, claims))
 
     def release(self, claim: Claim) -> bool:
+        """Give a claimed key back (it becomes absent); False if no longer owned."""
         return self.release_many([claim])[0]
 
     def release_many(self, claims: Sequence[Claim]) -> list[bool]:
-        items = owned_requests(claims)
-        released = self._io(lambda: self._release_records(items), "release") if items else []
-        self.stats.add("released", sum(released))
-        return released
+        """Release many claimed keys in one round trip."""
+        self._check_open()
+        return self._drive(release_steps(self.rules, claims))
 
     def execute(
         self, key: object, call: Callable[[Any], R], *, group: str = "",
@@ -552,47 +419,17 @@ class LeaseChecker(Closable, ABC):
         raises (after releasing the key). :class:`CheckerClosed` after :meth:`close`.
         """
         self._check_open()
-        if store_result:
-            check_max_result_bytes(max_result_bytes)
-        store_key = self.keys.build(key, group)
-        skipped = self._queued(store_key, fingerprint)
-        if skipped is not None:
-            self.stats.add(_COUNTERS[skipped.status])
-            return skip_or_raise(self, skipped, store_result)
-        try:
-            claim = self._claim(store_key, fingerprint)
-        except StoreUnavailable as exc:
-            return unavailable(self, store_key, call, exc, fail_open=fail_open,
-                               delay=self.policy.unavailable_delay)
-        if claim.token is None:
-            return skip_or_raise(self, claim, store_result)
-        try:
-            result = call(None)
-        except BaseException:
-            self._release_quietly(claim)
-            raise
-        if store_result:
-            claim = with_result(claim, result, self.stats, max_result_bytes)
-        if self._behind is not None and self._behind.add(claim):
-            return Executed(True, result, claim)
-        try:
-            self.complete(claim)
-        except StoreUnavailable as exc:
-            log.error(
-                "effect for %s applied but not recorded as done (%s); the lease will "
-                "expire and a duplicate delivered after that applies it again", store_key, exc,
-            )
-        return Executed(True, result, claim)
+        steps = lease_steps(self.rules, self.keys.build(key, group), fingerprint,
+                            _options(fail_open, store_result, max_result_bytes))
+        return drive(steps, self._perform, call)
 
-    def _queued(self, store_key: str, fingerprint: str | None) -> Claim | None:
-        """A key whose completion write-behind still holds: done here, not written yet
-        (DONE, or CONFLICT for another fingerprint); None otherwise."""
-        queued = self._behind.pending(store_key) if self._behind is not None else None
-        if queued is None:
-            return None
-        conflict = fingerprint is not None and queued.fingerprint not in (None, fingerprint)
-        return Claim(store_key, Status.CONFLICT if conflict else Status.DONE,
-                     result=queued.result)
+    def purge(self, older_than: float | timedelta | None = None) -> int:  # pragma: no cover
+        """Delete records that expired at least ``older_than`` ago; returns how many."""
+        raise NotImplementedError
+
+    def spec(self) -> CheckerSpec:  # pragma: no cover - every store defines it
+        """A picklable description of this checker."""
+        raise NotImplementedError
 
     # -- batches of guarded calls (a runtime running many messages at once) -----------
 
@@ -601,25 +438,9 @@ class LeaseChecker(Closable, ABC):
         """Rule 1 for many keys already built (:meth:`store_key`): one ``claim_many``
         round trip; a key whose completion write-behind still holds is reported DONE
         without asking the store. Raises :class:`StoreUnavailable` (rule 6 is the
-        caller's: :func:`refuse_unavailable`)."""
+        caller's)."""
         self._check_open()
-        pairs = zip(store_keys, fingerprints, strict=True)
-        claims: list[Claim | None] = (
-            [self._queued(key, fingerprint) for key, fingerprint in pairs]
-            if self._behind is not None else [None] * len(store_keys))
-        asked = [i for i, claim in enumerate(claims) if claim is None]
-        if len(asked) < len(claims):
-            count_claims(self.stats, [c for c in claims if c is not None])
-        if asked:
-            found = claim_batch(
-                [store_keys[i] for i in asked], [fingerprints[i] for i in asked],
-                lambda batch: self._io(lambda: self._claim_records(batch), "claim_many"),
-                self.lease,
-            )
-            count_claims(self.stats, found)
-            for i, claim in zip(asked, found, strict=True):
-                claims[i] = claim
-        return [claim for claim in claims if claim is not None]
+        return self._drive(claim_many_steps(self.rules, store_keys, fingerprints))
 
     def complete_ran(self, claims: Sequence[Claim]) -> None:
         """Rule 2 for many handlers that returned: their claims become DONE in one
@@ -656,6 +477,9 @@ class LeaseChecker(Closable, ABC):
         """Write every completion queued by ``write_behind``; False on timeout."""
         return self._behind.flush(timeout) if self._behind is not None else True
 
+    def _close(self) -> None:  # an optional hook, a no-op for most stores
+        """Release the store connections this checker created."""
+
     def close(self) -> None:
         """Write queued completions, then release connections this checker created.
 
@@ -669,20 +493,87 @@ class LeaseChecker(Closable, ABC):
         if self._mark_closed():
             self._close()
 
-    def _release_quietly(self, claim: Claim) -> None:
-        try:
-            if not self.release(claim):
-                log.debug("release of %s: the lease was no longer ours", claim.key)
-        except StoreUnavailable as exc:
-            log.warning("could not release %s (%s); it frees itself when its lease "
-                        "expires", claim.key, exc)
 
-    def _where(self) -> str:
-        """Where the store is, credentials redacted ("" when in process)."""
-        return ""
+class AsyncDriver:
+    """The async driver of the lease rules: ``aexecute`` awaits the store (``astore``,
+    an :class:`~msgpatterns.idempotency.store.AsyncStore`) and the handler. Mixed into
+    the async checkers (and :class:`MemoryChecker`, which serves both kinds)."""
 
-    def __repr__(self) -> str:
-        where = self._where()
-        where = f"{where!r}, " if where else ""
-        return (f"{type(self).__name__}({where}namespace={self.namespace!r}, "
-                f"ttl={self.ttl:g}, lease={self.lease:g})")
+    astore: AsyncStore
+    rules: LeaseRules
+    policy: StorePolicy
+    stats: IdempotencyStats
+    keys: KeyBuilder
+    write_behind: float | None
+    _abehind: AsyncWriteBehind | None = None
+
+    if TYPE_CHECKING:  # provided by the checker it is mixed into
+        def _check_open(self) -> None: ...
+
+    async def _aperform(self, io: Io) -> Any:
+        """One store operation the guard asked for, awaited (see ``_perform``)."""
+        self._check_open()
+        if io.op == "queue":
+            return await self._async_behind().add(io.arg)
+        return await aperform_io(getattr(self.astore, io.op), io, self.policy,
+                                 self.astore.transient, self.stats)
+
+    def _async_behind(self) -> AsyncWriteBehind:
+        if self._abehind is None:
+            assert self.write_behind is not None
+            self._abehind = AsyncWriteBehind(self._acomplete, self.write_behind)
+        return self._abehind
+
+    async def _acomplete(self, claims: Sequence[Claim]) -> list[bool]:
+        return await adrive(complete_steps(self.rules, claims), self._aperform, _no_handler)
+
+    async def aexecute(
+        self, key: object, call: Callable[[Any], Awaitable[R]], *, group: str = "",
+        fingerprint: str | None = None, fail_open: bool = False,
+        store_result: bool = False, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    ) -> Executed[R]:
+        """:meth:`LeaseChecker.execute` for an ``async def`` handler: ``await
+        call(None)`` unless ``key`` is DONE or in progress; the same rules, outcomes
+        and errors. A handler cancelled while it runs releases its claim, like one that
+        raises."""
+        self._check_open()
+        steps = lease_steps(self.rules, self.keys.build(key, group), fingerprint,
+                            _options(fail_open, store_result, max_result_bytes))
+        return await adrive(steps, self._aperform, call)
+
+    async def aflush(self) -> None:
+        """Write every completion queued by ``write_behind`` (fast mode)."""
+        if self._abehind is not None:
+            await self._abehind.flush()
+
+
+class AsyncLeaseChecker(AsyncDriver, _LeaseBase):
+    """Base of the async lease checkers (:class:`AsyncRedisChecker`,
+    :class:`AsyncSqlChecker`): ``aexecute`` and ``aclose``. With ``write_behind``
+    (fast mode) completions are written by a task on the loop, within that many
+    seconds, many per round trip."""
+
+    def __init__(self, astore: AsyncStore, **options: Any) -> None:
+        super().__init__(**options)
+        self.astore = astore
+        if self.write_behind is not None:
+            self.rules.pending = self._async_behind().pending
+
+    async def _aclose(self) -> None:
+        """Release the store connections this checker created."""
+
+    async def aclose(self) -> None:
+        """Write queued completions, then release connections this checker created;
+        afterwards every operation raises :class:`CheckerClosed`. Idempotent."""
+        if self._closed:
+            return
+        if self._abehind is not None:
+            await self._abehind.flush()
+        if self._mark_closed():
+            await self._aclose()
+
+    async def __aenter__(self) -> AsyncLeaseChecker:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

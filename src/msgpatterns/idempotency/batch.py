@@ -15,8 +15,8 @@ attribute the decorator sets, never by name), then per batch:
    returned, one ``release_many`` for those that raised. The runtime acknowledges the
    messages only after it returned: DONE is written before the acks go out.
 
-Every decision is one of the six rules of :mod:`msgpatterns.idempotency.base`, taken by
-the functions there; data flows one way (the runtime calls down into this module,
+Every decision is one of the six rules, taken by the guard
+(:mod:`msgpatterns.idempotency.guard`); data flows one way (the runtime calls down into this module,
 nothing here calls back up). An entry is finished once: :meth:`BatchGuard.take` is
 atomic, so a message settled on another thread (an explicit ``ack``, its ack deadline,
 ``stop()``) and its batch's :meth:`~BatchGuard.finish` never both write its claim.
@@ -35,13 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from msgpatterns.errors import ConfigurationError, StoreUnavailable
-from msgpatterns.idempotency.base import (
-    NO_RESULT,
-    LeaseChecker,
-    refuse_unavailable,
-    skip_or_raise,
-    with_result,
-)
+from msgpatterns.idempotency.base import NO_RESULT, LeaseChecker
+from msgpatterns.idempotency.guard import refuse_unavailable, skip_or_raise, with_result
 from msgpatterns.idempotency.records import Claim, Status
 from msgpatterns.message import Message
 
@@ -141,7 +136,7 @@ class BatchGuard:
                 entry.later = True  # held by this batch: decided once it is finished
                 continue
             try:  # rules 4 and 5 (and the fingerprint check), as one message has them
-                skip_or_raise(self.checker, claim, self.store_result)
+                skip_or_raise(claim, self.store_result)
                 if self._on_duplicate is not None:
                     self._on_duplicate(entry.message)
             except Exception as exc:
@@ -153,7 +148,7 @@ class BatchGuard:
         """Rule 6 for each message: NeedRetry, or run without dedup if opted in."""
         delay = self.checker.policy.unavailable_delay
         for entry, key in zip(entries, keys, strict=True):
-            refusal = refuse_unavailable(self.checker, key, error,
+            refusal = refuse_unavailable(self.checker.stats, key, error,
                                          fail_open=self._fail_open, delay=delay)
             if refusal is not None:
                 entry.run, entry.error = False, refusal

@@ -4,16 +4,31 @@ It wraps any callable - a :class:`~msgpatterns.Consumer` handler taking a
 :class:`~msgpatterns.Message`, a raw pika callback ``(channel, method, properties,
 body)``, a confluent-kafka poll loop's ``handle(msg)`` - because the key is computed
 by a callable that receives exactly the handler's arguments.
+
+An ``async def`` handler gets an ``async def`` wrapper that awaits the handler before
+anything is marked DONE, on an async checker (``AsyncRedisChecker``,
+``AsyncSqlChecker``, ``AsyncTransactionalSqlChecker``, or ``MemoryChecker``, which
+serves both): the same rules, through the same guard.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
+from collections.abc import Callable, Coroutine
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ParamSpec,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    Unpack,
+    cast,
+    overload,
+)
 
-from msgpatterns._callables import require_sync_callable
+from msgpatterns._callables import is_async_callable, require_sync_callable
 from msgpatterns.errors import ConfigurationError, MalformedMessage
 from msgpatterns.idempotency.batch import GUARD_ATTRIBUTE, BatchGuard
 from msgpatterns.idempotency.fingerprint import fingerprint_of
@@ -22,8 +37,11 @@ from msgpatterns.idempotency.results import DEFAULT_MAX_RESULT_BYTES, check_max_
 from msgpatterns.message import Message
 
 if TYPE_CHECKING:
-    from msgpatterns.idempotency.base import Checker
-    from msgpatterns.idempotency.transactional import TransactionalSqlChecker
+    from msgpatterns.idempotency.base import AsyncChecker, Checker
+    from msgpatterns.idempotency.transactional import (
+        AsyncTransactionalSqlChecker,
+        TransactionalSqlChecker,
+    )
 
 __all__ = ["MissingIdempotencyKey", "idempotent"]
 
@@ -67,8 +85,9 @@ def _default_group(fn: Callable[..., Any]) -> str:
 
 def _require_checker(checker: object) -> None:
     """Refuse anything that is not a checker, naming the usual mistakes."""
-    if all(callable(getattr(checker, name, None)) for name in ("execute", "store_key")) \
-            and hasattr(checker, "passes_tx"):
+    if (callable(getattr(checker, "execute", None)) or callable(getattr(checker, "aexecute",
+                                                                        None))) \
+            and callable(getattr(checker, "store_key", None)) and hasattr(checker, "passes_tx"):
         return
     if isinstance(checker, str):
         from msgpatterns.idempotency.spec import redact_url
@@ -78,13 +97,29 @@ def _require_checker(checker: object) -> None:
             "one first: @idempotent(checker_from_url(url)) or RedisChecker(url), "
             "SqlChecker(url), TransactionalSqlChecker(url)"
         )
-    if callable(checker) and not hasattr(checker, "execute"):
+    if callable(checker) and not hasattr(checker, "execute") \
+            and not hasattr(checker, "aexecute"):
         raise TypeError(
             f"@idempotent needs a checker, got the function {_default_group(checker)}: "
             "write @idempotent(checker), not a bare @idempotent"
         )
     raise TypeError(f"@idempotent needs a checker (MemoryChecker, RedisChecker, "
-                    f"SqlChecker, TransactionalSqlChecker), got {type(checker).__name__}")
+                    f"SqlChecker, TransactionalSqlChecker, or their Async* forms), got "
+                    f"{type(checker).__name__}")
+
+
+def _require_matching(checker: object, fn: Callable[..., Any], is_async: bool) -> None:
+    """An ``async def`` handler needs an async checker, a sync one a sync checker."""
+    name = type(checker).__name__
+    if is_async and not callable(getattr(checker, "aexecute", None)):
+        raise TypeError(
+            f"handler {_default_group(fn)} is an async def, but {name} only guards sync "
+            f"handlers: use Async{name} (or MemoryChecker) with @idempotent on an async def")
+    if not is_async and not callable(getattr(checker, "execute", None)):
+        sync_name = name.removeprefix("Async")
+        raise TypeError(
+            f"handler {_default_group(fn)} is a sync def, but {name} guards async def "
+            f"handlers (it awaits its store): use {sync_name} for a sync handler")
 
 
 def _require_tx_parameter(fn: Callable[..., Any]) -> None:
@@ -127,23 +162,55 @@ def message_payload(*args: Any, **kwargs: Any) -> object:
     return _message_in(args, kwargs).raw_body
 
 
-@overload
-def idempotent(
-    checker: TransactionalSqlChecker,
-    key: Callable[..., object] | None = None,
-    *,
-    group: str | None = None,
-    fingerprint: bool | Callable[..., object] = False,
-    on_duplicate: Callable[..., Any] | None = None,
-    fail_open: bool = False,
-    store_result: bool = False,
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[..., R]], Callable[..., R | None]]: ...
+class IdempotentOptions(TypedDict, total=False):
+    """The keyword options of :func:`idempotent` (see there)."""
+
+    group: str | None
+    fingerprint: bool | Callable[..., object]
+    on_duplicate: Callable[..., Any] | None
+    fail_open: bool
+    store_result: bool
+    max_result_bytes: int
+
+
+class Guarded(Protocol):
+    """What ``@idempotent(checker)`` returns: a sync handler stays sync, an ``async
+    def`` handler gets an ``async def`` wrapper; a duplicate returns None (or the stored
+    or ``on_duplicate`` result)."""
+
+    @overload
+    def __call__(self, fn: Callable[P, Coroutine[Any, Any, R]],
+                 ) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+
+    @overload
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R | None]: ...
+
+
+class GuardedTx(Protocol):
+    """:class:`Guarded` for a transactional checker: the wrapper takes the handler's
+    arguments without ``tx`` (the checker passes it)."""
+
+    @overload
+    def __call__(self, fn: Callable[..., Coroutine[Any, Any, R]],
+                 ) -> Callable[..., Coroutine[Any, Any, R | None]]: ...
+
+    @overload
+    def __call__(self, fn: Callable[..., R]) -> Callable[..., R | None]: ...
 
 
 @overload
+def idempotent(checker: TransactionalSqlChecker | AsyncTransactionalSqlChecker,
+               key: Callable[..., object] | None = None,
+               **options: Unpack[IdempotentOptions]) -> GuardedTx: ...
+
+
+@overload
+def idempotent(checker: Checker | AsyncChecker, key: Callable[..., object] | None = None,
+               **options: Unpack[IdempotentOptions]) -> Guarded: ...
+
+
 def idempotent(
-    checker: Checker,
+    checker: Checker | AsyncChecker,
     key: Callable[..., object] | None = None,
     *,
     group: str | None = None,
@@ -152,26 +219,17 @@ def idempotent(
     fail_open: bool = False,
     store_result: bool = False,
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[P, R]], Callable[P, R | None]]: ...
-
-
-def idempotent(
-    checker: Checker,
-    key: Callable[..., object] | None = None,
-    *,
-    group: str | None = None,
-    fingerprint: bool | Callable[..., object] = False,
-    on_duplicate: Callable[..., Any] | None = None,
-    fail_open: bool = False,
-    store_result: bool = False,
-    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-) -> Callable[[Callable[..., R]], Callable[..., R | None]]:
+) -> Any:
     """Run the decorated handler at most once per idempotency key.
 
     Args:
         checker: where keys live (MemoryChecker, RedisChecker, SqlChecker,
             TransactionalSqlChecker). With TransactionalSqlChecker the handler gets
             the open transaction as keyword argument ``tx`` and must write through it.
+            An ``async def`` handler takes an async checker: AsyncRedisChecker,
+            AsyncSqlChecker, AsyncTransactionalSqlChecker (``tx`` is then an
+            ``AsyncConnection``) or MemoryChecker; the wrapper is then an ``async
+            def`` too, and the key becomes DONE only after the handler's body returned.
         key: called with exactly the handler's arguments (``tx`` excluded), returns
             the key (str, bytes or int). Default: ``message.key or message.id`` of the
             first :class:`~msgpatterns.Message` argument.
@@ -211,9 +269,11 @@ def idempotent(
     ``key``) raises :class:`MissingIdempotencyKey` (a Reject: dead-lettered with a
     reason saying how to set one), never a guess. Misuse is refused here, at decoration
     time: a missing or wrong checker (``TypeError``), a ``key``, ``fingerprint`` or
-    ``on_duplicate`` that is not callable (:class:`ConfigurationError`), an ``async
-    def`` handler or callable (``TypeError``: no async support yet), and a
-    TransactionalSqlChecker handler without a ``tx`` parameter.
+    ``on_duplicate`` that is not callable (:class:`ConfigurationError`) or is an
+    ``async def`` (``TypeError``: they are called, never awaited), an ``async def``
+    handler on a sync-only checker or a sync handler on an async checker
+    (``TypeError`` naming the checker to use), and a transactional handler without a
+    ``tx`` parameter.
     """
     _require_checker(checker)
     where = "@idempotent"
@@ -241,8 +301,11 @@ def idempotent(
         payload_of = None
     passes_tx = checker.passes_tx
 
-    def decorate(fn: Callable[..., R]) -> Callable[..., R | None]:
-        require_sync_callable(fn, what="handler", where=where)
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise ConfigurationError(f"handler must be callable, got {fn!r} for {where}")
+        is_async = is_async_callable(fn)
+        _require_matching(checker, fn, is_async)
         if passes_tx:
             _require_tx_parameter(fn)
         name = group if group is not None else _default_group(fn)
@@ -269,21 +332,39 @@ def idempotent(
             raw, prints = identify(*args, **kwargs)
             return checker.store_key(raw, name), prints
 
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> R | None:
-            raw, prints = identify(*args, **kwargs)
+        def call_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[Any], Any]:
+            """The handler's call for one message (``tx`` passed on if it takes it)."""
             if passes_tx:
-                def call(tx: Any) -> R:
-                    return fn(*args, tx=tx, **kwargs)
-            else:
-                def call(tx: Any) -> R:
-                    return fn(*args, **kwargs)
-            outcome = checker.execute(raw, call, group=name, fingerprint=prints,
-                                      fail_open=fail_open, store_result=store_result,
-                                      max_result_bytes=max_result_bytes)
+                return lambda tx: fn(*args, tx=tx, **kwargs)
+            return lambda tx: fn(*args, **kwargs)
+
+        def outcome_of(outcome: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if outcome.ran or store_result:
                 return outcome.result
             return on_duplicate(*args, **kwargs) if on_duplicate is not None else None
+
+        options: dict[str, Any] = {"group": name, "fail_open": fail_open,
+                                   "store_result": store_result,
+                                   "max_result_bytes": max_result_bytes}
+
+        if is_async:
+            guarded = cast("AsyncChecker", checker)
+
+            @functools.wraps(fn)
+            async def awrapper(*args: Any, **kwargs: Any) -> Any:
+                raw, prints = identify(*args, **kwargs)
+                outcome = await guarded.aexecute(raw, call_of(args, kwargs),
+                                                 fingerprint=prints, **options)
+                return outcome_of(outcome, args, kwargs)
+
+            return awrapper
+        sync = cast("Checker", checker)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            raw, prints = identify(*args, **kwargs)
+            outcome = sync.execute(raw, call_of(args, kwargs), fingerprint=prints, **options)
+            return outcome_of(outcome, args, kwargs)
 
         # How a runtime running many messages at once finds the rules (batch claims).
         setattr(wrapper, GUARD_ATTRIBUTE, BatchGuard(

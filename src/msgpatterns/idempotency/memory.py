@@ -9,51 +9,31 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from msgpatterns.errors import ConfigurationError, seconds
-from msgpatterns.idempotency.base import ClaimRequest, LeaseChecker
+from msgpatterns.idempotency.base import AsyncDriver, LeaseChecker
+from msgpatterns.idempotency.guard import ClaimRequest
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import DONE, PROCESSING, Record
+from msgpatterns.idempotency.store import AsyncAdapter
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.spec import CheckerSpec
 
-__all__ = ["MemoryChecker"]
+__all__ = ["MemoryChecker", "MemoryStore"]
 
 
-class MemoryChecker(LeaseChecker):
-    """Thread-safe in-process checker.
+class MemoryStore:
+    """The records in a dict: key -> (state, token, fingerprint, expires_at, stored
+    result text). Thread-safe; expired records are swept as the dict grows."""
 
-    Same rules and semantics as the shared-store checkers, within one process: state
-    is lost when the process exits, so a crash or restart forgets every key. Expired
-    records are swept as the dict grows, or by :meth:`purge`.
+    transient: tuple[type[BaseException], ...] = ()
 
-    Args:
-        ttl: seconds a DONE key is remembered.
-        lease: seconds a claim holds a key before another caller may take it over.
-        clock: seconds as a float (default ``time.monotonic``); tests may pass a fake.
-    """
-
-    def __init__(
-        self,
-        ttl: float | timedelta = 86400,
-        lease: float | timedelta = 30,
-        *,
-        namespace: str = "msgpatterns",
-        max_key_bytes: int | None = 512,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        super().__init__(namespace=namespace, ttl=ttl, lease=lease,
-                         max_key_bytes=max_key_bytes, policy=StorePolicy(attempts=1))
-        self.clock = clock
+    def __init__(self, ttl: float, lease: float, clock: Callable[[], float]) -> None:
+        self.ttl, self.lease, self.clock = ttl, lease, clock
         self._lock = threading.Lock()
-        # key -> (state, token, fingerprint, expires_at, stored result text)
         self._records: dict[str, tuple[str, str, str | None, float, str | None]] = {}
         self._sweep_at = 1024
 
-    def __len__(self) -> int:
-        """Records held, expired ones included until swept."""
-        return len(self._records)
-
-    def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
         records = []
         with self._lock:
             now = self.clock()
@@ -64,10 +44,10 @@ class MemoryChecker(LeaseChecker):
                     self._records[key] = found
                 records.append(Record(found[0], found[1], found[2], found[3] - now, found[4]))
             if len(self._records) >= self._sweep_at:
-                self._sweep(now)
+                self.sweep(now)
         return records
 
-    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
+    def complete_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
         done = []
         with self._lock:
             now = self.clock()
@@ -79,7 +59,7 @@ class MemoryChecker(LeaseChecker):
                 done.append(ok)
         return done
 
-    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
+    def release_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
         released = []
         with self._lock:
             for key, token, _, _ in items:
@@ -90,22 +70,65 @@ class MemoryChecker(LeaseChecker):
                 released.append(ok)
         return released
 
-    def _sweep(self, now: float, older_than: float = 0.0) -> int:
+    def sweep(self, now: float, older_than: float = 0.0) -> int:
         expired = [k for k, r in self._records.items() if r[3] <= now - older_than]
         for key in expired:
             del self._records[key]
         self._sweep_at = max(1024, 2 * len(self._records))
         return len(expired)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+
+class MemoryChecker(AsyncDriver, LeaseChecker):
+    """Thread-safe in-process checker, for sync and ``async def`` handlers alike.
+
+    Same rules and semantics as the shared-store checkers, within one process: state
+    is lost when the process exits, so a crash or restart forgets every key. Expired
+    records are swept as the dict grows, or by :meth:`purge`.
+
+    Args:
+        ttl: seconds a DONE key is remembered.
+        lease: seconds a claim holds a key before another caller may take it over.
+        clock: seconds as a float (default ``time.monotonic``); tests may pass a fake.
+    """
+
+    store: MemoryStore
+
+    def __init__(
+        self,
+        ttl: float | timedelta = 86400,
+        lease: float | timedelta = 30,
+        *,
+        namespace: str = "msgpatterns",
+        max_key_bytes: int | None = 512,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        lease_s, ttl_s = seconds(lease) or 0.0, seconds(ttl) or 0.0
+        super().__init__(MemoryStore(ttl_s, lease_s, clock), namespace=namespace, ttl=ttl,
+                         lease=lease, max_key_bytes=max_key_bytes,
+                         policy=StorePolicy(attempts=1))
+        self.astore = AsyncAdapter(self.store)  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        """Records held, expired ones included until swept."""
+        return len(self.store._records)
+
     def purge(self, older_than: float | timedelta | None = None) -> int:
         """Forget records that expired at least ``older_than`` seconds ago."""
         self._check_open()
-        with self._lock:
-            return self._sweep(self.clock(), seconds(older_than) or 0.0)
+        with self.store._lock:
+            return self.store.sweep(self.clock(), seconds(older_than) or 0.0)
 
     def _close(self) -> None:
-        with self._lock:
-            self._records.clear()
+        self.store.clear()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, for code that closes async checkers."""
+        self.close()
 
     def spec(self) -> CheckerSpec:
         """Not available: a MemoryChecker's state cannot leave its process."""

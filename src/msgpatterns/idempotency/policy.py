@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import tenacity
 
 from msgpatterns.errors import ConfigurationError, StoreUnavailable
 from msgpatterns.retry import Backoff
 
-__all__ = ["StorePolicy", "call_with_retries"]
+__all__ = ["StorePolicy", "acall_with_retries", "call_with_retries"]
 
 log = logging.getLogger("msgpatterns.idempotency")
 
@@ -105,39 +105,93 @@ def call_with_retries(
     try:
         return fn()
     except transient as exc:
-        first: BaseException | None = exc
-        if on_error is not None:
-            on_error(exc)
-    if policy.attempts == 1:
-        raise StoreUnavailable(f"{what}: {_describe(first)}") from first
-
-    def attempt() -> T:
-        nonlocal first
-        if first is not None:  # replay the bare call's failure so tenacity waits first
-            error, first = first, None
-            raise error
-        try:
-            return fn()
-        except transient as exc:
-            if on_error is not None:
-                on_error(exc)
-            raise
-
-    retrying = tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(policy.attempts),
-        wait=policy.schedule,
-        retry=tenacity.retry_if_exception_type(transient),
-        before_sleep=lambda state: log.debug(
-            "%s failed (attempt %d), retrying: %r", what, state.attempt_number,
-            state.outcome.exception() if state.outcome else None,
-        ),
-        reraise=True,
-    )
+        first: BaseException = exc
+    retries = _Retries(policy, transient, what, on_error, first)
     try:
-        return retrying(attempt)
+        result: T = retries.retrying(tenacity.Retrying)(retries.attempt(fn))
+        return result
     except transient as exc:
-        raise StoreUnavailable(
-            f"{what} failed {policy.attempts} times: {_describe(exc)}") from exc
+        raise retries.gave_up(exc) from exc
+
+
+async def acall_with_retries(
+    fn: Callable[[], Awaitable[T]],
+    policy: StorePolicy,
+    transient: tuple[type[BaseException], ...],
+    *,
+    what: str,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> T:
+    """:func:`call_with_retries` for an async ``fn``: the same attempts, waits and
+    :class:`StoreUnavailable`, waiting with ``asyncio.sleep``."""
+    try:
+        return await fn()
+    except transient as exc:
+        first: BaseException = exc
+    retries = _Retries(policy, transient, what, on_error, first)
+    try:
+        call = retries.attempt(fn)
+
+        async def attempt() -> T:  # tenacity awaits only coroutine functions
+            return await call()
+
+        result: T = await retries.retrying(tenacity.AsyncRetrying)(attempt)
+        return result
+    except transient as exc:
+        raise retries.gave_up(exc) from exc
+
+
+class _Retries:
+    """The retries after a bare first call failed with ``first`` (shared by the sync
+    and the async form): tenacity waits first, then calls again."""
+
+    def __init__(self, policy: StorePolicy, transient: tuple[type[BaseException], ...],
+                 what: str, on_error: Callable[[BaseException], None] | None,
+                 first: BaseException) -> None:
+        self.policy, self.transient, self.what = policy, transient, what
+        self.on_error = on_error
+        self.first: BaseException | None = first
+        self.replayed = first
+        if on_error is not None:
+            on_error(first)
+        if policy.attempts == 1:
+            raise StoreUnavailable(f"{what}: {_describe(first)}") from first
+
+    def attempt(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """``fn`` that first replays the bare call's failure (so tenacity waits first)."""
+        def attempt() -> T:
+            if self.first is not None:
+                error, self.first = self.first, None
+                raise error
+            return fn()
+
+        return attempt
+
+    def _transient(self, error: BaseException) -> bool:
+        """Whether ``error`` is retried; counts each one (the replayed first error was
+        counted already)."""
+        if not isinstance(error, self.transient):
+            return False
+        if error is not self.replayed and self.on_error is not None:
+            self.on_error(error)
+        return True
+
+    def retrying(self, kind: Callable[..., Any]) -> Any:
+        what = self.what
+        return kind(
+            stop=tenacity.stop_after_attempt(self.policy.attempts),
+            wait=self.policy.schedule,
+            retry=tenacity.retry_if_exception(self._transient),
+            before_sleep=lambda state: log.debug(
+                "%s failed (attempt %d), retrying: %r", what, state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
+            ),
+            reraise=True,
+        )
+
+    def gave_up(self, error: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"{self.what} failed {self.policy.attempts} times: {_describe(error)}")
 
 
 def _describe(error: BaseException | None) -> str:

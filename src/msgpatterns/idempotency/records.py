@@ -118,6 +118,10 @@ class IdempotencyStats:
         if listener is not None:
             _obs.report(listener.idempotency_counted, self.owner, {name: count})
 
+    def count_error(self, error: BaseException) -> None:
+        """Count one store error (a transient one, about to be retried or not)."""
+        self.add("store_errors")
+
     def add_all(self, counts: Mapping[str, int]) -> None:
         """Add several counters at once (and report them to the telemetry listener)."""
         with self._lock:

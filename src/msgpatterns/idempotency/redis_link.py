@@ -13,6 +13,7 @@ connection (the next call reconnects); the checker's policy decides about retrie
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import weakref
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import redis
 
-__all__ = ["RedisLink"]
+__all__ = ["AsyncRedisLink", "RedisLink"]
 
 
 class RedisLink:
@@ -67,3 +68,57 @@ class RedisLink:
         """Close every thread's connection (each reconnects if used again)."""
         for conn in list(self._open):
             conn.disconnect()
+
+
+class AsyncRedisLink:
+    """:class:`RedisLink` for ``redis.asyncio``: commands over the link's own
+    connections, one per task talking at the same moment (kept in a free list), each
+    built like the client's pool builds them. A connection whose command failed
+    mid-way (an I/O error, a cancelled task) is dropped; an error reply (the server
+    answered) keeps it. Clients with other pools go through ``execute_command``."""
+
+    def __init__(self, client: Any) -> None:
+        from redis.asyncio.connection import ConnectionPool
+
+        self.client = client
+        pool = getattr(client, "connection_pool", None)
+        self._direct = type(pool) is ConnectionPool
+        self._pool = pool
+        self._free: list[Any] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def call(self, *args: Any) -> Any:
+        """Send one command and return its reply (error replies raise)."""
+        if not self._direct:
+            return await self.client.execute_command(*args)
+        from redis.exceptions import ResponseError
+
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # connections belong to the loop that opened them
+            self._loop, self._free = loop, []
+        free = self._free
+        if free:
+            conn = free.pop()
+        else:
+            assert self._pool is not None
+            conn = self._pool.connection_class(**self._pool.connection_kwargs)
+            await conn.connect()
+        try:
+            await conn.send_command(*args)
+            reply = await conn.read_response()
+        except ResponseError:
+            free.append(conn)  # the server answered: the connection is in step
+            raise
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        free.append(conn)
+        return reply
+
+    async def aclose(self) -> None:
+        """Close the link's connections (used again, it reconnects)."""
+        free, self._free = self._free, []
+        if self._loop is not asyncio.get_running_loop():
+            return  # another loop's connections: they went with it
+        for conn in free:
+            await conn.disconnect()

@@ -11,28 +11,34 @@ never as syntax): a single call and a batch call are each one round trip.
 
 On Redis Cluster (a ``RedisCluster`` client) a batch becomes one pipeline of
 single-key script calls, since one script may only touch keys of one hash slot.
+
+:class:`AsyncRedisChecker` is the same on ``redis.asyncio`` for ``async def``
+handlers: the same scripts, arguments and replies (:class:`RedisScripts`), awaited.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 from urllib.parse import quote
 
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.idempotency.base import ClaimRequest, LeaseChecker
+from msgpatterns.idempotency.base import AsyncLeaseChecker, AsyncOptions, LeaseChecker
+from msgpatterns.idempotency.guard import ClaimRequest
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import PROCESSING, Record
-from msgpatterns.idempotency.redis_link import RedisLink
+from msgpatterns.idempotency.redis_link import AsyncRedisLink, RedisLink
 from msgpatterns.idempotency.spec import CheckerSpec, hide_password_in, policy_options, redact_url
 
 if TYPE_CHECKING:
     import redis
 
-__all__ = ["RedisChecker"]
+__all__ = ["AsyncRedisChecker", "AsyncRedisStore", "RedisChecker", "RedisStore"]
 
 # ARGV[1] lease in ms; ARGV[i + 1] "P" .. token .. fingerprint for KEYS[i].
 # Per key: 1 when claimed, else {current value, its remaining ms}.
@@ -93,6 +99,21 @@ return out
 _CHUNK = 1000
 
 
+@dataclass(slots=True)
+class _Script:
+    """A Lua script and its SHA-1 (what EVALSHA names it by)."""
+
+    script: str
+    sha: str = ""
+
+    def __post_init__(self) -> None:
+        self.sha = hashlib.sha1(self.script.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+#: One script call per chunk of keys: (script, keys, ARGV).
+Call = tuple[_Script, list[bytes], list[Any]]
+
+
 def _text(value: Any) -> str:
     return value.decode("ascii") if isinstance(value, bytes) else str(value)
 
@@ -105,6 +126,58 @@ def _record(reply: Any, request: ClaimRequest, lease_ms: int) -> Record:
     fingerprint, newline, result = value[33:].partition("\n")
     return Record(value[0], value[1:33], fingerprint or None, max(pttl, 0) / 1000,
                   result if newline else None)
+
+
+class RedisScripts:
+    """The three scripts and how each operation becomes calls of them (keys and values
+    as script KEYS and ARGV, at most 1000 keys per call) and how their replies read:
+    shared by the sync and the async store, which only send the calls."""
+
+    def __init__(self, lease_ms: int, ttl_ms: int, *, chunk: int = _CHUNK) -> None:
+        #: Keys per call: 1 on a Redis Cluster (one script may only touch keys of one
+        #: hash slot; the store sends a batch as one pipeline of single-key calls).
+        self.chunk = chunk
+        self.lease_ms, self.ttl_ms = lease_ms, ttl_ms
+        self.claim, self.complete, self.release = (
+            _Script(CLAIM), _Script(COMPLETE), _Script(RELEASE))
+
+    def claim_calls(self, requests: Sequence[ClaimRequest]) -> list[Call]:
+        return self.calls(self.claim, [r.key for r in requests], (self.lease_ms,),
+                          [("P" + r.token + (r.fingerprint or ""),) for r in requests])
+
+    def records(self, replies: list[Any], requests: Sequence[ClaimRequest]) -> list[Record]:
+        return [_record(reply, request, self.lease_ms)
+                for reply, request in zip(replies, requests, strict=True)]
+
+    def complete_calls(self, items: Sequence[ClaimRequest]) -> list[Call]:
+        return self.calls(self.complete, [item.key for item in items], (self.ttl_ms,),
+                          [(item.token, item.fingerprint or "", item.result or "")
+                           for item in items])
+
+    def release_calls(self, items: Sequence[ClaimRequest]) -> list[Call]:
+        return self.calls(self.release, [item.key for item in items], (),
+                          [(item.token,) for item in items])
+
+    def calls(self, script: _Script, keys: Sequence[str], shared: tuple[Any, ...],
+              per_key: Sequence[tuple[Any, ...]]) -> list[Call]:
+        """``script`` over ``keys``: ARGV is ``shared`` then each key's ``per_key``
+        arguments; one call per ``chunk`` keys."""
+        calls: list[Call] = []
+        chunk = self.chunk
+        for start in range(0, len(keys), chunk):
+            args = list(shared)
+            for extra in per_key[start:start + chunk]:
+                args.extend(extra)
+            calls.append((script, [key.encode("utf-8") for key in keys[start:start + chunk]],
+                          args))
+        return calls
+
+
+def redis_transient(redis_module: Any) -> tuple[type[BaseException], ...]:
+    """The redis-py errors worth retrying (sync and asyncio clients raise the same)."""
+    exc = redis_module.exceptions
+    return (exc.ConnectionError, exc.TimeoutError, exc.BusyLoadingError,
+            exc.ReadOnlyError, exc.TryAgainError, OSError)
 
 
 def _url_of(client: redis.Redis) -> str:
@@ -149,7 +222,10 @@ class RedisChecker(LeaseChecker):
     Crash semantics: at-least-once. If the process dies after the handler's effect and
     before completion, the key frees itself when the lease expires and the redelivered
     message is processed again. Use TransactionalSqlChecker for exactly-once effects.
+    For ``async def`` handlers use :class:`AsyncRedisChecker`.
     """
+
+    store: RedisStore
 
     @renamed_arguments(client_or_url="url")
     def __init__(
@@ -164,120 +240,29 @@ class RedisChecker(LeaseChecker):
         write_behind: float | timedelta | None = None,
     ) -> None:
         redis_module = require("redis", "redis")
-        super().__init__(namespace=namespace, ttl=ttl, lease=lease,
-                         max_key_bytes=max_key_bytes, policy=policy, write_behind=write_behind)
-        exc = redis_module.exceptions
-        self.transient = (exc.ConnectionError, exc.TimeoutError, exc.BusyLoadingError,
-                          exc.ReadOnlyError, exc.TryAgainError, OSError)
-        self._no_script = exc.NoScriptError
         if isinstance(url, str):
             from redis.backoff import NoBackoff
             from redis.retry import Retry
 
             self.url: str | None = url
-            try:
-                self.client: redis.Redis = redis_module.Redis.from_url(
-                    url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=2.0,
-                    socket_timeout=5.0,
-                )
-            except ValueError as error:
-                raise ConfigurationError(
-                    f"cannot use Redis URL {redact_url(url)!r}: "
-                    f"{hide_password_in(str(error), url)}"
-                ) from None
+            client: redis.Redis = _from_url(redis_module.Redis, url,
+                                            retry=Retry(NoBackoff(), 0))
             self._owns_client = True
         else:
+            if _is_async_client(url):
+                raise ConfigurationError(
+                    "RedisChecker got a redis.asyncio client: use AsyncRedisChecker for "
+                    "async def handlers (or a redis.Redis client here)")
             self.url = None
-            self.client = url
+            client = url
             self._owns_client = False
-        #: A Redis Cluster client: batches go out as pipelines of single-key calls.
-        self._cluster = hasattr(self.client, "get_nodes")
-        self._link = RedisLink(self.client)
-        self._lease_ms = max(1, int(self.lease * 1000))
-        self._ttl_ms = max(1, int(self.ttl * 1000))
-        self._claim_script = self.client.register_script(CLAIM)
-        self._complete_script = self.client.register_script(COMPLETE)
-        self._release_script = self.client.register_script(RELEASE)
-
-    # -- I/O ----------------------------------------------------------------------------
-
-    def _claim_record(self, request: ClaimRequest) -> Record:
-        value = "P" + request.token + (request.fingerprint or "")
-        (reply,) = self._eval(self._claim_script, [request.key.encode("utf-8")],
-                              [self._lease_ms, value])
-        return _record(reply, request, self._lease_ms)
-
-    def _complete_record(self, item: ClaimRequest) -> bool:
-        (reply,) = self._eval(self._complete_script, [item.key.encode("utf-8")],
-                              [self._ttl_ms, item.token, item.fingerprint or "",
-                               item.result or ""])
-        return bool(reply == 1)
-
-    def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
-        replies = self._run(self._claim_script, [r.key for r in requests], (self._lease_ms,),
-                            [("P" + r.token + (r.fingerprint or ""),) for r in requests])
-        return [_record(reply, request, self._lease_ms)
-                for reply, request in zip(replies, requests, strict=True)]
-
-    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        replies = self._run(self._complete_script, [item.key for item in items],
-                            (self._ttl_ms,),
-                            [(item.token, item.fingerprint or "", item.result or "")
-                             for item in items])
-        return [reply == 1 for reply in replies]
-
-    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        replies = self._run(self._release_script, [item.key for item in items], (),
-                            [(item.token,) for item in items])
-        return [reply == 1 for reply in replies]
-
-    def _run(self, script: Any, keys: Sequence[str], shared: tuple[Any, ...],
-             per_key: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """``script`` over ``keys``: ARGV is ``shared`` then each key's ``per_key``
-        arguments. One call per 1000 keys; one pipeline of single-key calls on a
-        cluster."""
-        if self._cluster and len(keys) > 1:
-            return self._pipelined(script, keys, shared, per_key)
-        replies: list[Any] = []
-        for start in range(0, len(keys), _CHUNK):
-            args = list(shared)
-            for extra in per_key[start:start + _CHUNK]:
-                args.extend(extra)
-            chunk = [key.encode("utf-8") for key in keys[start:start + _CHUNK]]
-            replies.extend(self._eval(script, chunk, args))
-        return replies
-
-    def _eval(self, script: Any, keys: list[bytes], args: list[Any]) -> Any:
-        """One script call, re-loading the script if the server lost it (restart,
-        failover, SCRIPT FLUSH)."""
-        call = self._link.call
-        try:
-            return call("EVALSHA", script.sha, len(keys), *keys, *args)
-        except self._no_script:
-            script.sha = _text(call("SCRIPT", "LOAD", script.script))
-            return call("EVALSHA", script.sha, len(keys), *keys, *args)
-
-    def _pipelined(self, script: Any, keys: Sequence[str], shared: tuple[Any, ...],
-                   per_key: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """``script`` once per key, all in one pipeline (one round trip).
-
-        Every script here can run twice with the same arguments and give the same
-        answer, so a pipeline that met a flushed script cache is simply sent again.
-        """
-        for _ in range(2):
-            pipe = self.client.pipeline(transaction=False)
-            for key, extra in zip(keys, per_key, strict=True):
-                pipe.evalsha(script.sha, 1, key.encode("utf-8"), *shared, *extra)
-            answers = pipe.execute(raise_on_error=False)
-            if not any(isinstance(a, self._no_script) for a in answers):
-                break
-            script.sha = self.client.script_load(script.script)
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise answer
-        return [answer[0] for answer in answers]
-
-    # -- maintenance ----------------------------------------------------------------------
+        self.client = client
+        options: dict[str, Any] = {
+            "namespace": namespace, "ttl": ttl, "lease": lease, "max_key_bytes": max_key_bytes,
+            "policy": policy, "write_behind": write_behind}
+        scripts = _scripts(lease, ttl, cluster=hasattr(client, "get_nodes"))
+        super().__init__(RedisStore(client, scripts), **options)
+        self._link = self.store.link
 
     def purge(self, older_than: float | timedelta | None = None) -> int:
         """Nothing to do: Redis expires every key itself. Returns 0."""
@@ -304,3 +289,172 @@ class RedisChecker(LeaseChecker):
         self._link.close()
         if self._owns_client:
             self.client.close()
+
+
+class AsyncRedisChecker(AsyncLeaseChecker):
+    """:class:`RedisChecker` for ``async def`` handlers, on ``redis.asyncio``.
+
+    The same keys, records, scripts and rules as :class:`RedisChecker` (the two read
+    each other's keys); only the I/O is awaited. Arguments and defaults as for
+    RedisChecker (the options keyword-only);
+    ``url`` is a ``redis.asyncio.Redis`` client (or fakeredis'
+    ``FakeAsyncRedis``) or a URL. ``write_behind`` (fast mode) writes completions from
+    a task on the loop. Close with ``await checker.aclose()`` (or ``async with``).
+    Redis Cluster is not supported here (use RedisChecker).
+    """
+
+    @renamed_arguments(client_or_url="url")
+    def __init__(self, url: Any, **options: Unpack[AsyncOptions]) -> None:
+        require("redis", "redis")
+        import redis.asyncio
+
+        if isinstance(url, str):
+            self.url: str | None = url
+            from redis.asyncio.retry import Retry as AsyncRetry
+            from redis.backoff import NoBackoff
+
+            self.client: Any = _from_url(redis.asyncio.Redis, url,
+                                         retry=AsyncRetry(NoBackoff(), 0))
+            self._owns_client = True
+        else:
+            if not _is_async_client(url):
+                raise ConfigurationError(
+                    "AsyncRedisChecker needs a redis.asyncio client (or a URL), got "
+                    f"{type(url).__name__}; use RedisChecker for sync handlers")
+            self.url, self.client, self._owns_client = None, url, False
+        settings: dict[str, Any] = {"namespace": "msgpatterns", "ttl": 86400, "lease": 30,
+                                    "max_key_bytes": 512, **options}
+        store = AsyncRedisStore(self.client, _scripts(settings["lease"], settings["ttl"],
+                                                      cluster=False))
+        super().__init__(store, **settings)
+
+    def _where(self) -> str:
+        return redact_url(self.url) if self.url is not None else type(self.client).__name__
+
+    async def _aclose(self) -> None:
+        await self.astore.link.aclose()  # type: ignore[attr-defined]
+        if self._owns_client:
+            await self.client.aclose()
+
+
+def _scripts(lease: float | timedelta, ttl: float | timedelta, *, cluster: bool) -> RedisScripts:
+    from msgpatterns.errors import seconds
+
+    return RedisScripts(max(1, int((seconds(lease) or 0.0) * 1000)),
+                        max(1, int((seconds(ttl) or 0.0) * 1000)), chunk=1 if cluster else _CHUNK)
+
+
+def _is_async_client(client: object) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(getattr(client, "execute_command", None))
+
+
+def _from_url(cls: Any, url: str, **options: Any) -> Any:
+    """A client for ``url`` with short timeouts, retries left to the checker's policy;
+    a URL that does not parse is a ConfigurationError that never shows the password."""
+    try:
+        return cls.from_url(url, socket_connect_timeout=2.0, socket_timeout=5.0, **options)
+    except ValueError as error:
+        raise ConfigurationError(
+            f"cannot use Redis URL {redact_url(url)!r}: {hide_password_in(str(error), url)}"
+        ) from None
+
+
+class _Store:
+    """What both Redis stores hold: the client, the scripts, redis-py's errors."""
+
+    def __init__(self, client: Any, scripts: RedisScripts) -> None:
+        redis_module = require("redis", "redis")
+        self.client = client
+        self.scripts = scripts
+        self.transient = redis_transient(redis_module)
+        self._no_script: type[BaseException] = redis_module.exceptions.NoScriptError
+
+
+class RedisStore(_Store):
+    """The sync lease store on Redis: the scripts sent over a :class:`RedisLink` (one
+    connection per thread), or as one pipeline of single-key calls on a cluster."""
+
+    client: redis.Redis
+
+    def __init__(self, client: redis.Redis, scripts: RedisScripts) -> None:
+        super().__init__(client, scripts)
+        self.link = RedisLink(client)
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
+        return self.scripts.records(self._run(self.scripts.claim_calls(requests)), requests)
+
+    def complete_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        return [reply == 1 for reply in self._run(self.scripts.complete_calls(items))]
+
+    def release_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        return [reply == 1 for reply in self._run(self.scripts.release_calls(items))]
+
+    def _run(self, calls: list[Call]) -> list[Any]:
+        if len(calls) > 1 and self.scripts.chunk == 1:  # a cluster
+            return self._pipelined(calls)
+        replies: list[Any] = []
+        for script, keys, args in calls:
+            replies.extend(self._eval(script, keys, args))
+        return replies
+
+    def _eval(self, script: _Script, keys: list[bytes], args: list[Any]) -> Any:
+        """One script call, re-loading the script if the server lost it (restart,
+        failover, SCRIPT FLUSH)."""
+        call = self.link.call
+        try:
+            return call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except self._no_script:
+            call("SCRIPT", "LOAD", script.script)
+            return call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def _pipelined(self, calls: list[Call]) -> list[Any]:
+        """Each key's script call, all in one pipeline (one round trip).
+
+        Every script here can run twice with the same arguments and give the same
+        answer, so a pipeline that met a flushed script cache is simply sent again.
+        """
+        for _ in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            answers = pipe.execute(raise_on_error=False)
+            if not any(isinstance(a, self._no_script) for a in answers):
+                break
+            self.client.script_load(calls[0][0].script)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return [answer[0] for answer in answers]
+
+
+class AsyncRedisStore(_Store):
+    """The async lease store on ``redis.asyncio``: the same scripts and replies as
+    :class:`RedisStore`, awaited."""
+
+    async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
+        replies = await self._run(self.scripts.claim_calls(requests))
+        return self.scripts.records(replies, requests)
+
+    async def complete_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        return [reply == 1 for reply in await self._run(self.scripts.complete_calls(items))]
+
+    async def release_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        return [reply == 1 for reply in await self._run(self.scripts.release_calls(items))]
+
+    def __init__(self, client: Any, scripts: RedisScripts) -> None:
+        super().__init__(client, scripts)
+        self.link = AsyncRedisLink(client)
+
+    async def _run(self, calls: list[Call]) -> list[Any]:
+        call = self.link.call
+        replies: list[Any] = []
+        for script, keys, args in calls:
+            try:
+                reply = await call("EVALSHA", script.sha, len(keys), *keys, *args)
+            except self._no_script:
+                await call("SCRIPT", "LOAD", script.script)
+                reply = await call("EVALSHA", script.sha, len(keys), *keys, *args)
+            replies.extend(reply)
+        return replies

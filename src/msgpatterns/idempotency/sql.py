@@ -1,4 +1,10 @@
-"""SqlChecker: the idempotency state machine on a SQL table (SQLAlchemy 2 Core)."""
+"""SqlChecker: the idempotency state machine on a SQL table (SQLAlchemy 2 Core).
+
+:class:`AsyncSqlChecker` is the same on an ``AsyncEngine`` (``postgresql+psycopg://``,
+``sqlite+aiosqlite://``, ``mysql+aiomysql://``) for ``async def`` handlers: the very
+same statements (:class:`SqlLeaseStore` on the async engine's sync facade), run
+through SQLAlchemy's greenlet bridge, so each one is awaited on the event loop.
+"""
 
 from __future__ import annotations
 
@@ -6,59 +12,90 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError, seconds
-from msgpatterns.idempotency.base import ClaimRequest, Closable, LeaseChecker
+from msgpatterns.idempotency.base import AsyncLeaseChecker, AsyncOptions, Closable, LeaseChecker
+from msgpatterns.idempotency.guard import ClaimRequest
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import PROCESSING, Record
 from msgpatterns.idempotency.spec import CheckerSpec, policy_options
+from msgpatterns.idempotency.store import AsyncAdapter
 
 if TYPE_CHECKING:
+    import asyncio
+
     from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
     from msgpatterns.idempotency.sql_table import DedupTable
 
-__all__ = ["SqlChecker", "SqlMaintenance", "SqlStore"]
+__all__ = ["AsyncSqlChecker", "SqlChecker", "SqlLeaseStore", "SqlMaintenance", "SqlStore"]
 
 
 class SqlStore:
     """What both SQL checkers share: the engine, the dedup table, the clock, transient
     errors, purge and spec."""
 
-    def __init__(self, engine_or_url: Engine | str, table: str,
-                 clock: Callable[[], float], *, autocommit: bool) -> None:
+    def __init__(self, engine_or_url: Engine | AsyncEngine | str, table: str,
+                 clock: Callable[[], float], *, autocommit: bool,
+                 asynchronous: bool = False) -> None:
         sa = require("sqlalchemy", "sql")
         from msgpatterns._sql import transient_errors
         from msgpatterns.idempotency.sql_table import DedupTable
 
+        #: The AsyncEngine (async checkers); ``engine`` is then its sync facade.
+        self.async_engine: AsyncEngine | None = None
         if isinstance(engine_or_url, str):
             # our own engine: connections set to autocommit once, when they are opened
             options = {"isolation_level": "AUTOCOMMIT"} if autocommit else {}
-            self.engine: Engine = self._create_engine(sa, engine_or_url, options)
+            if asynchronous:
+                from sqlalchemy.ext.asyncio import create_async_engine
+
+                self.async_engine = self._create_engine(create_async_engine, sa,
+                                                        engine_or_url, options)
+                self.engine: Engine = self.async_engine.sync_engine
+            else:
+                self.engine = self._create_engine(sa.create_engine, sa, engine_or_url, options)
             self._owns_engine = True
         else:
-            self.engine = engine_or_url
+            self.engine = self._given(engine_or_url, asynchronous)
             self._owns_engine = False
         self._autocommit = autocommit and self._owns_engine
         self.table: DedupTable = DedupTable(self.engine, table)
         self.clock = clock
         dialect = self.engine.dialect
         #: Any database error, wrapped by SQLAlchemy or raised by the driver.
-        self.dbapi_errors: tuple[type[BaseException], ...] = (
-            sa.exc.DBAPIError, dialect.loaded_dbapi.Error)
+        driver_error = getattr(dialect.loaded_dbapi, "Error", None)
+        self.dbapi_errors: tuple[type[BaseException], ...] = (sa.exc.DBAPIError,) + (
+            (driver_error,) if isinstance(driver_error, type) else ())
         self.transient: tuple[type[BaseException], ...] = transient_errors(dialect)
 
+    def _given(self, engine: Any, asynchronous: bool) -> Engine:
+        """The caller's engine (its sync facade for an AsyncEngine), or a clear error."""
+        from sqlalchemy.ext.asyncio import AsyncEngine
+
+        if isinstance(engine, AsyncEngine) != asynchronous:
+            raise ConfigurationError(
+                "an AsyncEngine goes with AsyncSqlChecker / AsyncTransactionalSqlChecker "
+                "(async def handlers), an Engine with SqlChecker / TransactionalSqlChecker"
+                f"; got {type(engine).__name__}")
+        if isinstance(engine, AsyncEngine):
+            self.async_engine = engine
+            return engine.sync_engine
+        return engine  # type: ignore[no-any-return]
+
     @staticmethod
-    def _create_engine(sa: Any, url: str, options: dict[str, Any]) -> Engine:
+    def _create_engine(create: Callable[..., Any], sa: Any, url: str,
+                       options: dict[str, Any]) -> Any:
         """An engine for ``url``; a URL that does not parse is a ConfigurationError that
         never shows the password."""
         from msgpatterns.idempotency.spec import hide_password_in, redact_url
 
         try:
-            engine: Engine = sa.create_engine(url, **options)
+            engine = create(url, **options)
         except (sa.exc.ArgumentError, ValueError) as exc:
             raise ConfigurationError(
                 f"cannot use SQL URL {redact_url(url)!r}: {hide_password_in(str(exc), url)}"
@@ -101,9 +138,31 @@ class SqlStore:
         if self._owns_engine:
             self.engine.dispose()
 
+    async def aclose(self) -> None:
+        if self._owns_engine and self.async_engine is not None:
+            await self.async_engine.dispose()
+
+    _creating: asyncio.Lock | None = None
+
+    async def in_greenlet(self, operation: Callable[[Any], Any], arg: Any) -> Any:
+        """``operation(arg)`` - sync SQLAlchemy code on the async engine's sync facade -
+        run in SQLAlchemy's greenlet bridge: each statement is awaited on the loop.
+        The table is created first, once, under an asyncio lock (never the thread
+        lock of :class:`~msgpatterns._sql.OnFirstUse` held across an await)."""
+        from sqlalchemy.util import greenlet_spawn
+
+        if not self.table.created:
+            import asyncio
+
+            if self._creating is None:
+                self._creating = asyncio.Lock()
+            async with self._creating:
+                await greenlet_spawn(self.table.create)
+        return await greenlet_spawn(operation, arg)
+
 
 class SqlMaintenance(Closable):
-    """Table creation, purge and clean-up, shared by both SQL checkers."""
+    """Table creation, purge and clean-up, shared by both sync SQL checkers."""
 
     store: SqlStore
 
@@ -132,6 +191,42 @@ class SqlMaintenance(Closable):
 
 
 
+class SqlLeaseStore(SqlStore):
+    """The lease store on a SQL table: each operation one statement (per chunk)."""
+
+    def __init__(self, engine_or_url: Engine | AsyncEngine | str, table: str,
+                 clock: Callable[[], float], *, lease: float, ttl: float,
+                 asynchronous: bool = False) -> None:
+        super().__init__(engine_or_url, table, clock, autocommit=True,
+                         asynchronous=asynchronous)
+        self.lease_ms = int(lease * 1000)
+        self.ttl_ms = int(ttl * 1000)
+
+    def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
+        self.table.create()
+        now = self.now_ms()
+        rows = [{"dedup_key": r.key, "state": PROCESSING, "owner_token": r.token,
+                 "fingerprint": r.fingerprint, "result": None,
+                 "expires_at": now + self.lease_ms, "updated_at": now} for r in requests]
+        with self.statements() as conn:
+            found = self.table.claim(conn, rows, now)
+        return [found[r.key] for r in requests]
+
+    def complete_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        self.table.create()  # also learns whether the table keeps results
+        now = self.now_ms()
+        with self.statements() as conn:
+            return self.table.complete(conn, items, now, now + self.ttl_ms)
+
+    def release_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        with self.statements() as conn:
+            return self.table.release(conn, items)
+
+
+def _lease_options(ttl: float | timedelta, lease: float | timedelta) -> dict[str, Any]:
+    return {"ttl": seconds(ttl) or 0.0, "lease": seconds(lease) or 0.0}
+
+
 class SqlChecker(SqlMaintenance, LeaseChecker):
     """Idempotency in a SQL table: PostgreSQL, MySQL/MariaDB or SQLite.
 
@@ -156,8 +251,11 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
     Crash semantics: at-least-once. The dedup row is committed separately from the
     handler's effect, so a crash between the two leaves the key PROCESSING until its
     lease expires and the redelivered message is processed again. Use
-    :class:`TransactionalSqlChecker` to commit both together (exactly once).
+    :class:`TransactionalSqlChecker` to commit both together (exactly once). For
+    ``async def`` handlers use :class:`AsyncSqlChecker`.
     """
+
+    store: SqlLeaseStore
 
     @renamed_arguments(engine_or_url="url")
     def __init__(
@@ -172,35 +270,13 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
         clock: Callable[[], float] = time.time,
         write_behind: float | timedelta | None = None,
     ) -> None:
-        self.store = SqlStore(url, table, clock, autocommit=True)
+        require("sqlalchemy", "sql")  # MissingExtra naming msgpatterns[sql], first
         from msgpatterns.idempotency.sql_table import KEY_BYTES
 
-        super().__init__(namespace=namespace, ttl=ttl, lease=lease,
+        store = SqlLeaseStore(url, table, clock, **_lease_options(ttl, lease))
+        super().__init__(store, namespace=namespace, ttl=ttl, lease=lease,
                          max_key_bytes=KEY_BYTES, policy=policy, write_behind=write_behind)
-        self.transient = self.store.transient
         self.engine = self.store.engine
-        self._lease_ms = int(self.lease * 1000)
-        self._ttl_ms = int(self.ttl * 1000)
-
-    def _claim_records(self, requests: Sequence[ClaimRequest]) -> list[Record]:
-        self.store.table.create()
-        now = self.store.now_ms()
-        rows = [{"dedup_key": r.key, "state": PROCESSING, "owner_token": r.token,
-                 "fingerprint": r.fingerprint, "result": None,
-                 "expires_at": now + self._lease_ms, "updated_at": now} for r in requests]
-        with self.store.statements() as conn:
-            found = self.store.table.claim(conn, rows, now)
-        return [found[r.key] for r in requests]
-
-    def _complete_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        self.store.table.create()  # also learns whether the table keeps results
-        now = self.store.now_ms()
-        with self.store.statements() as conn:
-            return self.store.table.complete(conn, items, now, now + self._ttl_ms)
-
-    def _release_records(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        with self.store.statements() as conn:
-            return self.store.table.release(conn, items)
 
     def spec(self) -> CheckerSpec:
         """The URL and options that rebuild this checker in another process."""
@@ -216,3 +292,37 @@ class SqlChecker(SqlMaintenance, LeaseChecker):
 
     def _close(self) -> None:
         self.store.close()
+
+
+class AsyncSqlChecker(AsyncLeaseChecker):
+    """:class:`SqlChecker` for ``async def`` handlers, on an ``AsyncEngine``.
+
+    The same table, statements and rules as SqlChecker (the two share a table), each
+    statement awaited: ``postgresql+psycopg://`` (psycopg 3 serves sync and async),
+    ``sqlite+aiosqlite://``, ``mysql+aiomysql://``. Arguments and defaults as for
+    SqlChecker (the options keyword-only), with an ``AsyncEngine`` or an async URL.
+    Purge with a SqlChecker (or ``msgpatterns dedup purge``) on the sync URL. Close
+    with ``await checker.aclose()``.
+    """
+
+    @renamed_arguments(engine_or_url="url")
+    def __init__(self, url: AsyncEngine | str, table: str = "msgpatterns_dedup",
+                 **options: Unpack[AsyncOptions]) -> None:
+        require("sqlalchemy", "sql")  # MissingExtra naming msgpatterns[sql], first
+        from msgpatterns.idempotency.sql_table import KEY_BYTES
+
+        settings: dict[str, Any] = {"ttl": 86400, "lease": 30, **options,
+                                    "max_key_bytes": KEY_BYTES}
+        clock = settings.pop("clock", time.time)
+        self.store = SqlLeaseStore(url, table, clock, asynchronous=True,
+                                   **_lease_options(settings["ttl"], settings["lease"]))
+        assert self.store.async_engine is not None
+        self.engine: AsyncEngine = self.store.async_engine
+        super().__init__(AsyncAdapter(self.store, self.store.in_greenlet),  # type: ignore[arg-type]
+                         **settings)
+
+    def _where(self) -> str:
+        return self.store.where()
+
+    async def _aclose(self) -> None:
+        await self.store.aclose()

@@ -94,8 +94,13 @@ class DedupKey(TypeDecorator[str]):
         return value.decode("utf-8") if isinstance(value, bytes) else value
 
     # Text needs no conversion elsewhere: no per-value call on PostgreSQL and SQLite.
+    # aiomysql cannot send bytes with current PyMySQL (its bytes escaper is gone): it
+    # sends the text, which MySQL turns into the same UTF-8 bytes for the VARBINARY
+    # column (still compared byte for byte).
     def bind_processor(self, dialect: Dialect) -> Any:
-        return super().bind_processor(dialect) if is_mysql(dialect) else None
+        if is_mysql(dialect) and dialect.driver != "aiomysql":
+            return super().bind_processor(dialect)
+        return None
 
     def result_processor(self, dialect: Dialect, coltype: object) -> Any:
         return super().result_processor(dialect, coltype) if is_mysql(dialect) else None
@@ -143,6 +148,11 @@ class DedupTable:
     def create(self) -> None:
         """Create the table and its expiry index if missing (safe to race)."""
         self._ensure()
+
+    @property
+    def created(self) -> bool:
+        """True once :meth:`create` ran in this process (until :meth:`drop`)."""
+        return self._ensure.done
 
     def _create(self) -> None:
         if not create_table(self.engine, self.table):

@@ -8,62 +8,63 @@ at any point leaves both or neither: a redelivered message either finds the key 
 
 A concurrent duplicate's insert blocks on the unique key until the first transaction
 ends, then sees the row DONE (skipped) or absent (applied, if the first rolled back).
+
+The rules are the guard's transactional strategy
+(:func:`~msgpatterns.idempotency.guard.transactional_steps`); :class:`SqlTxStore` only
+does the I/O. :class:`AsyncTransactionalSqlChecker` is the same for ``async def``
+handlers on an ``AsyncEngine``: the same statements through SQLAlchemy's greenlet
+bridge, the handler getting the transaction as an ``AsyncConnection``.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from msgpatterns._callables import renamed_arguments
-from msgpatterns.errors import (
-    ConfigurationError,
-    MsgPatternsError,
-    NeedRetry,
-    StoreUnavailable,
-    seconds,
-)
+from msgpatterns.errors import ConfigurationError, StoreUnavailable, seconds
 from msgpatterns.idempotency.base import (
-    NO_RESULT,
-    ClaimRequest,
+    AsyncOptions,
+    Closable,
     Executed,
+    _options,
+    aperform_io,
     attach_results,
-    claim_batch,
-    count_claims,
+    perform_io,
+)
+from msgpatterns.idempotency.guard import (
+    ClaimRequest,
+    Io,
+    LeaseRules,
+    TransactionAborted,
+    adrive,
+    claim_many_steps,
+    drive,
     owned_requests,
-    reported_round_trip,
-    skip_or_raise,
-    unavailable,
-    with_result,
+    transactional_steps,
 )
 from msgpatterns.idempotency.keys import KeyBuilder
-from msgpatterns.idempotency.policy import StorePolicy, call_with_retries
+from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import DONE, Claim, IdempotencyStats, Record
-from msgpatterns.idempotency.results import DEFAULT_MAX_RESULT_BYTES, check_max_result_bytes
+from msgpatterns.idempotency.results import DEFAULT_MAX_RESULT_BYTES
 from msgpatterns.idempotency.spec import CheckerSpec, policy_options
 from msgpatterns.idempotency.sql import SqlMaintenance, SqlStore
+from msgpatterns.idempotency.store import AsyncAdapter
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection, Engine, RootTransaction
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["TransactionAborted", "TransactionalSqlChecker"]
-
-log = logging.getLogger("msgpatterns.idempotency")
+__all__ = ["AsyncTransactionalSqlChecker", "SqlTxStore", "TransactionAborted",
+           "TransactionalSqlChecker"]
 
 R = TypeVar("R")
 
 #: The driver-reported "in a failed transaction" status (psycopg2's
 #: TRANSACTION_STATUS_INERROR, psycopg 3's TransactionStatus.INERROR).
 _IN_ERROR = 3
-
-
-class TransactionAborted(MsgPatternsError):
-    """The database aborted the handler's transaction before commit: nothing of it (nor
-    the dedup row) was committed. An ordinary failure: the message is retried per the
-    retry policy, never acked."""
 
 
 def _driver_says_aborted(conn: Connection) -> bool | None:
@@ -80,7 +81,116 @@ def _driver_says_aborted(conn: Connection) -> bool | None:
     return None
 
 
-class TransactionalSqlChecker(SqlMaintenance):
+class SqlTxStore(SqlStore):
+    """The transaction store: open a transaction with the claim inside it, tell whether
+    it can still commit, write results into it, commit, end it. The handle of one
+    transaction is its ``Connection``."""
+
+    def __init__(self, engine_or_url: Engine | AsyncEngine | str, table: str,
+                 clock: Callable[[], float], *, ttl: float, asynchronous: bool = False) -> None:
+        super().__init__(engine_or_url, table, clock, autocommit=False,
+                         asynchronous=asynchronous)
+        self.ttl_ms = int(ttl * 1000)
+
+    def claim_in(self, conn: Connection, requests: Sequence[ClaimRequest]) -> list[Record]:
+        """Insert each key DONE inside ``conn``'s transaction (absent or expired keys),
+        read back under lock: committed, the keys are done; rolled back, absent."""
+        self.table.create()
+        now = self.now_ms()
+        rows = [{"dedup_key": r.key, "state": DONE, "owner_token": r.token,
+                 "fingerprint": r.fingerprint, "result": None,
+                 "expires_at": now + self.ttl_ms, "updated_at": now} for r in requests]
+        found = self.table.claim(conn, rows, now, lock=True)
+        return [found[r.key] for r in requests]
+
+    def begin(self, requests: Sequence[ClaimRequest]) -> tuple[Connection, list[Record]]:
+        conn = self.engine.connect()
+        try:
+            conn.begin()
+            return conn, self.claim_in(conn, requests)
+        except BaseException:
+            conn.close()
+            raise
+
+    def aborted(self, arg: tuple[Connection, Claim]) -> bool:
+        """True unless the transaction can still commit the claim: a failed statement
+        the handler caught aborts a PostgreSQL transaction (COMMIT would silently roll
+        back), a deadlock rolls back a whole MySQL one. psycopg reports the state
+        without a round trip; elsewhere the claim's row is read back inside it."""
+        conn, claim = arg
+        aborted = _driver_says_aborted(conn)
+        if aborted is not None:
+            return aborted
+        try:
+            return self.table.owner_of(conn, claim.key) != claim.token
+        except self.dbapi_errors:
+            return True
+
+    def store_results(self, arg: tuple[Connection, Sequence[ClaimRequest]]) -> list[bool]:
+        conn, items = arg
+        return self.table.store_results(conn, items)
+
+    def commit(self, conn: Connection) -> None:
+        """Commit; a transient failure means the outcome is unknown:
+        :class:`StoreUnavailable`, and the connection is never reused."""
+        try:
+            conn.commit()
+        except self.transient as exc:
+            conn.invalidate()
+            raise StoreUnavailable(f"commit failed, outcome unknown: {exc!r}") from exc
+
+    def end(self, conn: Connection) -> None:
+        """Close the connection: rolls back whatever was not committed."""
+        try:
+            conn.close()
+        except self.dbapi_errors:
+            conn.invalidate()
+
+
+class _TransactionalBase(Closable):
+    """What both transactional checkers hold."""
+
+    #: The decorated handler receives the open transaction as ``tx``.
+    passes_tx = True
+    store: SqlTxStore
+
+    def __init__(self, store: SqlTxStore, ttl: float, namespace: str,
+                 policy: StorePolicy | None) -> None:
+        from msgpatterns.idempotency.sql_table import KEY_BYTES
+
+        self.store = store
+        self.ttl = ttl
+        if self.ttl <= 0:
+            raise ConfigurationError("ttl must be positive")
+        self.namespace = namespace
+        self.keys = KeyBuilder(namespace, KEY_BYTES)
+        self.policy = policy if policy is not None else StorePolicy()
+        self.stats = IdempotencyStats()
+        self.stats.owner = type(self).__name__
+        self.transient = self.store.transient
+
+    def store_key(self, key: object, group: str = "") -> str:
+        return self.keys.build(key, group)
+
+    def _steps(self, key: object, group: str, fingerprint: str | None, fail_open: bool,
+               store_result: bool, max_result_bytes: int) -> Any:
+        self._check_open()
+        options = _options(fail_open, store_result, max_result_bytes)
+        if fail_open:
+            raise ConfigurationError(
+                "fail_open makes no sense with TransactionalSqlChecker: the dedup row "
+                "and the handler's writes live in the same database"
+            )
+        return transactional_steps(self.stats, self.keys.build(key, group), fingerprint,
+                                   options, self.policy.unavailable_delay)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.store.where()!r}, "
+                f"table={self.store.table.name!r}, namespace={self.namespace!r}, "
+                f"ttl={self.ttl:g})")
+
+
+class TransactionalSqlChecker(SqlMaintenance, _TransactionalBase):
     """Exactly-once effects for handlers whose effects are writes to the same database.
 
     Decorate a handler that takes ``tx``::
@@ -106,8 +216,12 @@ class TransactionalSqlChecker(SqlMaintenance):
         clock: seconds since the epoch (default ``time.time``).
 
     There is no lease: an uncommitted claim is invisible and dies with its
-    transaction. ``complete`` and ``release`` are the commit and rollback of ``tx``.
+    transaction. Nothing is completed or released after the fact: the commit of ``tx``
+    completes the key, a rollback releases it. For ``async def`` handlers use
+    :class:`AsyncTransactionalSqlChecker`.
     """
+
+    store: SqlTxStore
 
     @renamed_arguments(engine_or_url="url")
     def __init__(
@@ -120,37 +234,17 @@ class TransactionalSqlChecker(SqlMaintenance):
         policy: StorePolicy | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        from msgpatterns.idempotency.sql_table import KEY_BYTES
-
-        self.store = SqlStore(url, table, clock, autocommit=False)
+        ttl_s = seconds(ttl) or 0.0
+        super().__init__(SqlTxStore(url, table, clock, ttl=ttl_s), ttl_s,
+                         namespace, policy)
         self.engine = self.store.engine
-        self.ttl = seconds(ttl) or 0.0
-        if self.ttl <= 0:
-            raise ConfigurationError("ttl must be positive")
-        self.namespace = namespace
-        self.keys = KeyBuilder(namespace, KEY_BYTES)
-        self.policy = policy if policy is not None else StorePolicy()
-        self.stats = IdempotencyStats()
-        self.stats.owner = type(self).__name__
-        self.transient = self.store.transient
-        self._ttl_ms = int(self.ttl * 1000)
 
-    #: The decorated handler receives the open transaction as ``tx``.
-    passes_tx = True
-
-    def store_key(self, key: object, group: str = "") -> str:
-        return self.keys.build(key, group)
+    def _perform(self, io: Io) -> Any:
+        self._check_open()
+        return perform_io(getattr(self.store, io.op), io, self.policy, self.transient,
+                          self.stats)
 
     # -- inside a caller's transaction ------------------------------------------------------
-
-    def _claim_in(self, tx: Connection, requests: Sequence[ClaimRequest]) -> list[Record]:
-        self.store.table.create()
-        now = self.store.now_ms()
-        rows = [{"dedup_key": r.key, "state": DONE, "owner_token": r.token,
-                 "fingerprint": r.fingerprint, "result": None,
-                 "expires_at": now + self._ttl_ms, "updated_at": now} for r in requests]
-        found = self.store.table.claim(tx, rows, now, lock=True)
-        return [found[r.key] for r in requests]
 
     def claim(self, key: object, *, group: str = "", fingerprint: str | None = None,
               tx: Connection | None = None) -> Claim:
@@ -174,56 +268,28 @@ class TransactionalSqlChecker(SqlMaintenance):
             raise ConfigurationError(
                 "TransactionalSqlChecker claims inside a transaction: pass tx=<Connection>"
             )
-        claims = claim_batch(self.keys.build_many(keys, group), fingerprints,
-                             lambda batch: self._claim_in(tx, batch), 0.0)
-        count_claims(self.stats, claims)
-        return claims
-
-    def complete(self, claim: Claim, result: object = NO_RESULT, *,
-                 max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-                 tx: Connection | None = None) -> bool:
-        """Committing the claim's transaction completes it; with ``result`` (and the
-        claim's ``tx``), the result is written with the dedup row first. True."""
-        results = None if result is NO_RESULT else [result]
-        return self.complete_many([claim], results, max_result_bytes=max_result_bytes,
-                                  tx=tx)[0]
+        # no lease: a key held by this very batch is in progress as long as its transaction
+        rules = LeaseRules(self.keys, self.stats, 0.0, self.policy.unavailable_delay)
+        return drive(claim_many_steps(rules, self.keys.build_many(keys, group), fingerprints),
+                     lambda io: self.store.claim_in(tx, io.arg), _no_run)
 
     def complete_many(self, claims: Sequence[Claim], results: Sequence[object] | None = None,
                       *, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
                       tx: Connection | None = None) -> list[bool]:
-        """Committing the claims' transaction completes them; with ``results`` (one per
-        claim, JSON-serialisable) and the claims' ``tx``, each result is written with
-        its dedup row inside ``tx``, to be committed with it."""
+        """Write each claim's result (``results``, one per claim, JSON) to its dedup
+        row inside ``tx``, the claims' transaction, to be committed with it; True per
+        claim whose row took it. Committing ``tx`` is what completes the claims: without
+        ``results`` there is nothing to write (True per claim)."""
         self._check_open()
-        if results is not None:
-            if tx is None:
-                raise ConfigurationError(
-                    "results are written inside the claims' transaction: pass tx=<Connection>")
-            claimed = attach_results(claims, results, self.stats, max_result_bytes)
-            self.store.table.store_results(tx, owned_requests(claimed))
-        return [True] * len(claims)
-
-    def release(self, claim: Claim) -> bool:
-        """Nothing to do: rolling the claim's transaction back releases it. True."""
-        return True
-
-    def release_many(self, claims: Sequence[Claim]) -> list[bool]:
-        """Nothing to do: rolling the claims' transaction back releases them."""
-        return [True] * len(claims)
+        if results is None:
+            return [True] * len(claims)
+        owned = owned_requests(attach_results(claims, results, self.stats, max_result_bytes))
+        if tx is None:
+            raise ConfigurationError(
+                "results are written inside the claims' transaction: pass tx=<Connection>")
+        return self.store.table.store_results(tx, owned)
 
     # -- the guarded call -------------------------------------------------------------------
-
-    def _begin(self, store_key: str, fingerprint: str | None,
-               ) -> tuple[Connection, RootTransaction, Claim]:
-        conn = self.engine.connect()
-        try:
-            tx = conn.begin()
-            claims = claim_batch([store_key], [fingerprint],
-                                 lambda batch: self._claim_in(conn, batch), 0.0)
-        except BaseException:
-            conn.close()
-            raise
-        return conn, tx, claims[0]
 
     def execute(
         self, key: object, call: Callable[[Any], R], *, group: str = "",
@@ -244,78 +310,10 @@ class TransactionalSqlChecker(SqlMaintenance):
         ``call`` ran (it caught a failed statement's error: nothing is committed), and
         whatever ``call`` raises (after rolling everything back).
         """
-        self._check_open()
-        if store_result:
-            check_max_result_bytes(max_result_bytes)
-        if fail_open:
-            raise ConfigurationError(
-                "fail_open makes no sense with TransactionalSqlChecker: the dedup row "
-                "and the handler's writes live in the same database"
-            )
-        store_key = self.keys.build(key, group)
-        try:
-            conn, tx, claim = reported_round_trip(
-                self.stats.owner, "claim", lambda: call_with_retries(
-                    lambda: self._begin(store_key, fingerprint), self.policy,
-                    self.transient, what="TransactionalSqlChecker.claim",
-                    on_error=lambda _: self.stats.add("store_errors"),
-                ))
-        except StoreUnavailable as exc:
-            return unavailable(self, store_key, call, exc, fail_open=False,
-                               delay=self.policy.unavailable_delay)
-        try:
-            count_claims(self.stats, (claim,))
-            if claim.token is None:
-                tx.rollback()
-                return skip_or_raise(self, claim, store_result)
-            try:
-                result = call(conn)
-            except BaseException:
-                self.stats.add("released")
-                raise  # closing the connection below rolls back both
-            self._verify_intact(conn, claim)
-            if store_result:
-                claim = with_result(claim, result, self.stats, max_result_bytes)
-                self.store.table.store_results(conn, owned_requests([claim]))
-            try:
-                reported_round_trip(self.stats.owner, "commit", tx.commit)
-            except self.transient as exc:
-                conn.invalidate()  # never reuse a connection whose commit is in doubt
-                self.stats.add("unavailable")
-                raise NeedRetry(
-                    delay=self.policy.unavailable_delay,
-                    reason=f"commit of {store_key!r} failed, outcome unknown: {exc!r}",
-                ) from exc
-        finally:
-            conn.close()
-        self.stats.add("completed")
-        return Executed(True, result, claim)
-
-    def _verify_intact(self, conn: Connection, claim: Claim) -> None:
-        """Raise :class:`TransactionAborted` unless the transaction can still commit the
-        claim: a failed statement the handler caught aborts a PostgreSQL transaction
-        (COMMIT would silently roll back), a deadlock rolls back a whole MySQL one.
-
-        psycopg2/psycopg report the state without a round trip; elsewhere the claim's
-        row is read back inside the transaction (one primary-key read).
-        """
-        aborted = _driver_says_aborted(conn)
-        cause: BaseException | None = None
-        if aborted is None:
-            try:
-                found = self.store.table.owner_of(conn, claim.key)
-            except self.store.dbapi_errors as exc:
-                aborted, cause = True, exc
-            else:
-                aborted = found != claim.token
-        if aborted:
-            self.stats.add("released")
-            raise TransactionAborted(
-                f"the database aborted the transaction of {claim.key!r} before commit (a "
-                "statement failed inside the handler, e.g. an IntegrityError it caught): "
-                "nothing was committed and the message will be retried; wrap statements "
-                "whose errors the handler handles in tx.begin_nested() (a savepoint)"
-            ) from cause
+        steps = self._steps(key, group, fingerprint, fail_open, store_result,
+                            max_result_bytes)
+        result: Executed[R] = drive(steps, self._perform, call)
+        return result
 
     def spec(self) -> CheckerSpec:
         """The URL and options that rebuild this checker in another process."""
@@ -330,7 +328,72 @@ class TransactionalSqlChecker(SqlMaintenance):
         if self._mark_closed():
             self.store.close()
 
-    def __repr__(self) -> str:
-        return (f"TransactionalSqlChecker({self.store.where()!r}, "
-                f"table={self.store.table.name!r}, namespace={self.namespace!r}, "
-                f"ttl={self.ttl:g})")
+
+class AsyncTransactionalSqlChecker(_TransactionalBase):
+    """:class:`TransactionalSqlChecker` for ``async def`` handlers, on an ``AsyncEngine``.
+
+    Decorate a handler that takes ``tx``, an ``AsyncConnection`` in the open
+    transaction::
+
+        checker = AsyncTransactionalSqlChecker("postgresql+psycopg://app@db/app")
+
+        @idempotent(checker)
+        async def handle(message, tx):
+            await tx.execute(orders.insert().values(id=message.key))
+
+    The same table, statements and rules as TransactionalSqlChecker (the two share a
+    table): the dedup row and the handler's writes commit together, a crash or a
+    cancelled task before the commit leaves neither. Drivers: ``postgresql+psycopg``,
+    ``sqlite+aiosqlite``, ``mysql+aiomysql``. Options as for TransactionalSqlChecker
+    (``ttl``, ``namespace``, ``policy``, ``clock``; keyword-only). Close with
+    ``await checker.aclose()``.
+    """
+
+    @renamed_arguments(engine_or_url="url")
+    def __init__(self, url: AsyncEngine | str, table: str = "msgpatterns_dedup",
+                 **options: Unpack[AsyncOptions]) -> None:
+        if "lease" in options or "write_behind" in options:
+            raise ConfigurationError("AsyncTransactionalSqlChecker has no lease and no "
+                                     "write_behind: the commit completes the key")
+        ttl = seconds(options.get("ttl", 86400)) or 0.0
+        store = SqlTxStore(url, table, options.get("clock", time.time), ttl=ttl,
+                           asynchronous=True)
+        super().__init__(store, ttl, options.get("namespace", "msgpatterns"),
+                         options.get("policy"))
+        assert self.store.async_engine is not None
+        self.engine: AsyncEngine = self.store.async_engine
+        self._astore = AsyncAdapter(self.store, self.store.in_greenlet)
+
+    async def _aperform(self, io: Io) -> Any:
+        self._check_open()
+        return await aperform_io(getattr(self._astore, io.op), io, self.policy,
+                                 self.transient, self.stats)
+
+    async def aexecute(
+        self, key: object, call: Callable[[Any], Awaitable[R]], *, group: str = "",
+        fingerprint: str | None = None, fail_open: bool = False,
+        store_result: bool = False, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    ) -> Executed[R]:
+        """:meth:`TransactionalSqlChecker.execute` for an ``async def`` handler:
+        ``await call(tx)`` with ``tx`` an ``AsyncConnection`` in the open transaction;
+        the same outcomes and errors. A handler cancelled while it runs rolls back."""
+        from sqlalchemy.ext.asyncio import AsyncConnection
+
+        steps = self._steps(key, group, fingerprint, fail_open, store_result,
+                            max_result_bytes)
+        engine = self.engine
+
+        def run(conn: Connection) -> Awaitable[R]:
+            return call(AsyncConnection(engine, conn))
+
+        result: Executed[R] = await adrive(steps, self._aperform, run)
+        return result
+
+    async def aclose(self) -> None:
+        """Dispose of the engine if this checker created it. Idempotent."""
+        if self._mark_closed():
+            await self.store.aclose()
+
+
+def _no_run(tx: Any) -> Any:
+    raise AssertionError("claiming runs no handler")

@@ -14,9 +14,12 @@ effect and its completion. Either way the effect is never lost (at-least-once).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import logging
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from msgpatterns.errors import StoreUnavailable
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
     from msgpatterns.batching import Flusher
     from msgpatterns.idempotency.base import LeaseChecker
 
-__all__ = ["WriteBehind"]
+__all__ = ["AsyncWriteBehind", "WriteBehind"]
 
 log = logging.getLogger("msgpatterns.idempotency")
 
@@ -34,19 +37,36 @@ BATCH = 100
 QUEUE = 10_000
 
 
-class WriteBehind:
-    """Queues a checker's completions and writes them with ``complete_many``."""
+def _not_recorded(count: int, error: StoreUnavailable) -> None:
+    log.error("%d completion(s) not recorded (%s); their leases will expire and "
+              "duplicates delivered after that are applied again", count, error)
 
-    def __init__(self, checker: LeaseChecker, interval: float) -> None:
-        self.checker = checker
-        self.interval = interval
+
+class _Pending:
+    """The completions queued and not written yet, by key."""
+
+    def __init__(self) -> None:
         self._pending: dict[str, Claim] = {}
-        self._flusher: Flusher[Claim] | None = None
-        self._lock = threading.Lock()
 
     def pending(self, key: str) -> Claim | None:
         """The queued completion of ``key``, if any (that key is done, not written yet)."""
         return self._pending.get(key)
+
+    def _written(self, claims: Sequence[Claim]) -> None:
+        for claim in claims:
+            if self._pending.get(claim.key) is claim:
+                self._pending.pop(claim.key, None)
+
+
+class WriteBehind(_Pending):
+    """Queues a checker's completions and writes them with ``complete_many``."""
+
+    def __init__(self, checker: LeaseChecker, interval: float) -> None:
+        super().__init__()
+        self.checker = checker
+        self.interval = interval
+        self._flusher: Flusher[Claim] | None = None
+        self._lock = threading.Lock()
 
     def add(self, claim: Claim) -> bool:
         """Queue ``claim``'s completion; False when the queue is full (complete it now)."""
@@ -74,12 +94,9 @@ class WriteBehind:
         try:
             self.checker.complete_many(claims)
         except StoreUnavailable as exc:
-            log.error("%d completion(s) not recorded (%s); their leases will expire and "
-                      "duplicates delivered after that are applied again", len(claims), exc)
+            _not_recorded(len(claims), exc)
         finally:
-            for claim in claims:
-                if self._pending.get(claim.key) is claim:
-                    self._pending.pop(claim.key, None)
+            self._written(claims)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Write every queued completion; False if ``timeout`` ran out first."""
@@ -91,3 +108,56 @@ class WriteBehind:
         if flusher is not None:
             flusher.close(timeout)
             atexit.unregister(flusher.close)
+
+
+class AsyncWriteBehind(_Pending):
+    """Write-behind on the event loop: completions queued by ``add`` are written by one
+    task, ``interval`` seconds after the first of a batch, up to ``BATCH`` per round
+    trip (``complete``). :meth:`flush` writes what is queued and waits for it."""
+
+    def __init__(self, complete: Callable[[Sequence[Claim]], Awaitable[list[bool]]],
+                 interval: float) -> None:
+        super().__init__()
+        self._complete = complete
+        self.interval = interval
+        self._queue: list[Claim] = []
+        self._task: asyncio.Task[None] | None = None
+        self._sleeping = False
+
+    async def add(self, claim: Claim) -> bool:
+        """Queue ``claim``'s completion; False when the queue is full (complete it now)."""
+        if len(self._queue) >= QUEUE:
+            return False
+        self._pending[claim.key] = claim
+        self._queue.append(claim)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._later())
+        return True
+
+    async def _later(self) -> None:
+        self._sleeping = True
+        try:
+            await asyncio.sleep(self.interval)
+        finally:
+            self._sleeping = False
+        await self._write_all()
+
+    async def _write_all(self) -> None:
+        while self._queue:
+            claims, self._queue = self._queue[:BATCH], self._queue[BATCH:]
+            try:
+                await self._complete(claims)
+            except StoreUnavailable as exc:
+                _not_recorded(len(claims), exc)
+            finally:
+                self._written(claims)
+
+    async def flush(self) -> None:
+        """Write every queued completion now (and end the waiting task)."""
+        task = self._task
+        if task is not None and not task.done():
+            if self._sleeping:  # nothing in flight: end its wait, write here
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._write_all()

@@ -40,15 +40,16 @@ subscriber (one message at a time, not ``batch=True``):
 
 Idempotency: the handler gets the msgpatterns :class:`~msgpatterns.Message` through
 the :data:`Delivery` annotation, so ``@idempotent(checker)`` with its default key
-(``message.key or message.id``) works on a *sync* handler::
+(``message.key or message.id``) works on a sync handler, and on an ``async def``
+handler with an async checker (``AsyncRedisChecker``, ``AsyncSqlChecker``,
+``AsyncTransactionalSqlChecker``, ``MemoryChecker``)::
 
     @broker.subscriber("orders")
-    @idempotent(checker)
-    def handle(body: dict, delivery: Delivery) -> None: ...
+    @idempotent(AsyncRedisChecker(redis_url))
+    async def handle(body: dict, delivery: Delivery) -> None: ...
 
-``@idempotent`` refuses ``async def`` handlers until msgpatterns' asyncio support
-lands; async handlers get retries and dead letters, not idempotency (see
-docs/integrations.md).
+The key becomes DONE only after the handler's body returned; a body that fails
+releases it and the middleware's retry runs it again.
 """
 
 from __future__ import annotations

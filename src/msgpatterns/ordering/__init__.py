@@ -2,7 +2,8 @@
 
 * :class:`VersionGuard` - version-checked writes to a SQL table: strict transitions
   (``apply``) and latest-wins upserts (``upsert_latest``, ``upsert_latest_many``).
-* :func:`optimistic_update` - read-merge-write with a compare-and-set and local retries.
+* :func:`optimistic_update` - read-merge-write with a compare-and-set and local retries
+  (:func:`async_optimistic_update` for coroutines).
 * :class:`OrderedExecutor` - per-key FIFO execution across resizable lanes.
 
 ``VersionGuard`` needs the ``[sql]`` extra (SQLAlchemy); it is imported on first use.
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgpatterns.ordering.errors import InvalidVersion, MissingVersion, VersionConflict
 from msgpatterns.ordering.executor import OrderedExecutor
-from msgpatterns.ordering.optimistic import optimistic_update
+from msgpatterns.ordering.optimistic import async_optimistic_update, optimistic_update
 from msgpatterns.ordering.partitions import Key, key_bytes, lane_ranges, logic_partition
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ __all__ = [
     "key_bytes",
     "lane_ranges",
     "logic_partition",
+    "async_optimistic_update",
     "optimistic_update",
 ]
 

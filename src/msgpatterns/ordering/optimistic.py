@@ -5,22 +5,27 @@ compare-and-set (``UPDATE ... WHERE version = :read_version``). Losing the race 
 normal under contention: try again a few times, then hand the message back for a
 delayed redelivery (:class:`~msgpatterns.errors.NeedRetry` with ``retry_later``) rather
 than spinning.
+
+:func:`async_optimistic_update` is the same for coroutines (an ``AsyncVersionGuard``'s
+``compare_and_set``, say): the same options, checks, retries and NeedRetry - one set of
+tenacity options drives a ``Retrying`` or an ``AsyncRetrying`` - with ``load`` and
+``save`` awaited and the pauses taken with ``asyncio.sleep``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar, overload
 
 import tenacity
 from tenacity.wait import WaitBaseT, wait_base
 
-from msgpatterns._callables import require_sync_callable
+from msgpatterns._callables import require_async_callable, require_sync_callable
 from msgpatterns.errors import ConfigurationError, NeedRetry, seconds
 from msgpatterns.retry import Backoff
 
-__all__ = ["DEFAULT_BACKOFF", "DEFAULT_WAIT", "optimistic_update"]
+__all__ = ["DEFAULT_BACKOFF", "DEFAULT_WAIT", "async_optimistic_update", "optimistic_update"]
 
 P = ParamSpec("P")
 C = TypeVar("C")
@@ -52,8 +57,9 @@ def _schedule(backoff: object, wait: object) -> Backoff:
 
 
 def _retrying(attempts: int, retry_later: float | timedelta, backoff: Backoff,
-              lost: Callable[[Any], bool]) -> tenacity.Retrying:
-    """Retry while ``lost(result)``; after ``attempts`` lost rounds raise NeedRetry.
+              lost: Callable[[Any], bool]) -> dict[str, Any]:
+    """The tenacity options (for ``Retrying`` or ``AsyncRetrying``): retry while
+    ``lost(result)``; after ``attempts`` lost rounds raise NeedRetry.
 
     Every argument is checked here, when the update is set up (or decorated), never
     after the first lost round.
@@ -72,12 +78,9 @@ def _retrying(attempts: int, retry_later: float | timedelta, backoff: Backoff,
             "times in a row",
         )
 
-    return tenacity.Retrying(
-        stop=tenacity.stop_after_attempt(attempts),
-        retry=tenacity.retry_if_result(lost),
-        wait=backoff,
-        retry_error_callback=give_up,
-    )
+    return {"stop": tenacity.stop_after_attempt(attempts),
+            "retry": tenacity.retry_if_result(lost), "wait": backoff,
+            "retry_error_callback": give_up}
 
 
 def _first_lost(outcome: tuple[bool, object]) -> bool:
@@ -151,21 +154,12 @@ def optimistic_update(
     :class:`~msgpatterns.errors.ConfigurationError`.
     """
     schedule = _schedule(backoff, wait)
-    if load is not None and merge is None and save is None:
-        return _decorate(load, _retrying(attempts, retry_later, schedule, _falsy))
-    if load is None and merge is None and save is None:
-        _retrying(attempts, retry_later, schedule, _falsy)  # refuse bad options now
-
-        def decorate(fn: Callable[P, bool]) -> Callable[P, bool]:
-            return _decorate(fn, _retrying(attempts, retry_later, schedule, _falsy))
-
-        return decorate
-    if load is None or merge is None or save is None:
-        raise ConfigurationError(
-            "optimistic_update needs all of load, merge and save (or none)")
-    for what, fn in (("load", load), ("merge", merge), ("save", save)):
-        require_sync_callable(fn, what=what, where="optimistic_update")
-    retrying = _retrying(attempts, retry_later, schedule, _first_lost)
+    form = _form(load, merge, save, attempts, retry_later, schedule, tenacity.Retrying,
+                 require_sync_callable, "")
+    if form is not None:
+        return form
+    assert load is not None and merge is not None and save is not None
+    retrying = tenacity.Retrying(**_retrying(attempts, retry_later, schedule, _first_lost))
 
     def attempt() -> tuple[bool, Any]:
         current = load()
@@ -175,7 +169,113 @@ def optimistic_update(
     return retrying(attempt)[1]
 
 
-def _decorate(fn: Callable[P, bool], retrying: tenacity.Retrying) -> Callable[P, bool]:
+def _form(load: Callable[..., Any] | None, merge: Callable[..., Any] | None,
+          save: Callable[..., Any] | None, attempts: int, retry_later: float | timedelta,
+          schedule: Backoff, kind: Callable[..., Any], require: Callable[..., None],
+          prefix: str) -> Any:
+    """The decorator forms (``@f`` and ``@f(...)``) of ``{prefix}optimistic_update``
+    with ``kind`` (``Retrying`` or ``AsyncRetrying``); None for the call form, whose
+    callables are checked here by ``require``."""
+    name = f"{prefix}optimistic_update"
+    if load is not None and merge is None and save is None:
+        return _decorate(load, kind(**_retrying(attempts, retry_later, schedule, _falsy)),
+                         require, name)
+    if load is None and merge is None and save is None:
+        _retrying(attempts, retry_later, schedule, _falsy)  # refuse bad options now
+
+        def decorate(fn: Callable[P, Any]) -> Callable[P, Any]:
+            return _decorate(fn, kind(**_retrying(attempts, retry_later, schedule, _falsy)),
+                             require, name)
+
+        return decorate
+    if load is None or merge is None or save is None:
+        raise ConfigurationError(f"{name} needs all of load, merge and save (or none)")
+    for what, fn in (("load", load), ("save", save)):
+        _require(require, fn, what, name)
+    require_sync_callable(merge, what="merge", where=name)
+    return None
+
+
+def _require(require: Callable[..., None], fn: Any, what: str, where: str) -> None:
+    if require is require_async_callable:
+        require(fn, what=what, where=where, alternative="optimistic_update")
+    else:
+        require(fn, what=what, where=where)
+
+
+def _decorate(fn: Callable[P, Any], retrying: Any, require: Callable[..., None],
+              where: str) -> Callable[P, Any]:
     """``fn`` retried by ``retrying`` while it returns a falsy result."""
-    require_sync_callable(fn, what="function", where="@optimistic_update")
-    return retrying.wraps(fn)
+    _require(require, fn, "function", f"@{where}")
+    wrapped: Callable[P, Any] = retrying.wraps(fn)
+    return wrapped
+
+
+@overload
+def async_optimistic_update(
+    load: Callable[[], Awaitable[C]],
+    merge: Callable[[C], M],
+    save: Callable[[C, M], Awaitable[bool]],
+    attempts: int = 3,
+    retry_later: float | timedelta = 10.0,
+    *,
+    backoff: Backoff | WaitBaseT | None = None,
+) -> Awaitable[M]: ...
+
+
+@overload
+def async_optimistic_update(
+    load: Callable[P, Awaitable[bool]], /,
+) -> Callable[P, Awaitable[bool]]: ...
+
+
+@overload
+def async_optimistic_update(
+    *,
+    attempts: int = 3,
+    retry_later: float | timedelta = 10.0,
+    backoff: Backoff | WaitBaseT | None = None,
+) -> Callable[[Callable[P, Awaitable[bool]]], Callable[P, Awaitable[bool]]]: ...
+
+
+def async_optimistic_update(
+    load: Callable[..., Any] | None = None,
+    merge: Callable[[Any], Any] | None = None,
+    save: Callable[[Any, Any], Any] | None = None,
+    attempts: int = 3,
+    retry_later: float | timedelta = 10.0,
+    *,
+    backoff: Backoff | WaitBaseT | None = None,
+) -> Any:
+    """:func:`optimistic_update` for coroutines: the same rounds, retries and
+    ``NeedRetry(delay=retry_later)`` after ``attempts`` lost rounds.
+
+    As a call: ``await async_optimistic_update(load, merge, save)`` with ``load`` and
+    ``save`` ``async def`` and ``merge`` a plain function (it computes, it does no
+    I/O). As a decorator (``@async_optimistic_update`` or
+    ``@async_optimistic_update(attempts=5)``) on an ``async def`` that makes one round
+    and returns whether its compare-and-set won. Pauses between rounds are
+    ``asyncio.sleep``: the event loop is never blocked.
+
+    Misuse is refused before anything runs: a sync ``load``, ``save`` or decorated
+    function raises ``TypeError`` naming :func:`optimistic_update`, options of the
+    wrong kind :class:`~msgpatterns.errors.ConfigurationError`.
+    """
+    schedule = _schedule(backoff, None)
+    form = _form(load, merge, save, attempts, retry_later, schedule, tenacity.AsyncRetrying,
+                 require_async_callable, "async_")
+    if form is not None:
+        return form
+    assert load is not None and merge is not None and save is not None
+    retrying = tenacity.AsyncRetrying(**_retrying(attempts, retry_later, schedule,
+                                                  _first_lost))
+
+    async def attempt() -> tuple[bool, Any]:
+        current = await load()
+        merged = merge(current)
+        return bool(await save(current, merged)), merged
+
+    async def run() -> Any:
+        return (await retrying(attempt))[1]
+
+    return run()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.idempotency.base import Checker
+from msgpatterns.idempotency.base import BatchChecker, Checker
 from msgpatterns.idempotency.records import Claim, Status
 from msgpatterns.idempotency.spec import CheckerSpec, checker_from_url
 from msgpatterns.spark.resources import checker_for
@@ -66,7 +66,7 @@ class _ClaimPartition:
 
     def __call__(self, partition: Iterable[Row]) -> Iterator[tuple[Any, ...]]:
         rows = iter(partition)
-        checker = checker_for(self.spec)
+        checker = _batch_checker(self.spec)
         dropped = in_progress = 0
         while chunk := list(islice(rows, CHUNK)):
             claims = checker.claim_many([row[self.key] for row in chunk], group=self.group)
@@ -96,7 +96,7 @@ class _SettlePartition:
         self.counter = counter
 
     def __call__(self, rows: Iterator[Row]) -> None:
-        checker = checker_for(self.spec)
+        checker = _batch_checker(self.spec)
         settled = 0
         while chunk := list(islice(rows, CHUNK)):
             ours = [Claim(r[1], Status.CLAIMED, r[2]) for r in chunk if r[2] is not None]
@@ -213,6 +213,13 @@ def dedup_rows(df: DataFrame, checker_spec: CheckerSpec | Checker | str, key: st
     stats = DedupStats(kept=kept, dropped=int(counters[0].value),
                        in_progress=int(counters[1].value))
     return DedupedRows(claimed, spec, key, group, stats)
+
+
+def _batch_checker(spec: CheckerSpec) -> BatchChecker:
+    """This process's checker for ``spec``, with its batch claims."""
+    checker = checker_for(spec)
+    assert isinstance(checker, BatchChecker), checker  # redis and sql kinds only
+    return checker
 
 
 def _spec_of(source: CheckerSpec | Checker | str) -> CheckerSpec:
