@@ -70,14 +70,19 @@ def test_old_keyword_spelling_still_works_for_rabbitmq() -> None:
 @pytest.mark.kafka
 def test_old_keyword_spelling_still_works_for_kafka() -> None:
     from broker_harness import kafka_cluster
-    from msgpatterns.aio.kafka import AsyncKafkaBroker
+    from msgpatterns.aio.kafka import AsyncKafkaBroker, ThreadedAsyncKafkaBroker
     from msgpatterns.brokers import KafkaBroker
 
     bootstrap = kafka_cluster().bootstrap_servers
     with KafkaBroker(bootstrap_or_config=bootstrap) as broker:  # type: ignore[call-arg]
         assert broker.dead_letter_admin().knows("no-such-topic-here") is False
-    old = AsyncKafkaBroker(bootstrap_or_config=bootstrap)  # type: ignore[call-arg]
-    old.sync.close()
+    threaded = ThreadedAsyncKafkaBroker(bootstrap_or_config=bootstrap)  # type: ignore[call-arg]
+    threaded.sync.close()
+    # AsyncKafkaBroker is the aiokafka adapter now; its constructor does no I/O
+    native = AsyncKafkaBroker(bootstrap_or_config=bootstrap)  # type: ignore[call-arg]
+    assert native.bootstrap_servers == bootstrap
+    with pytest.raises(ConfigurationError, match="not both"):
+        AsyncKafkaBroker(bootstrap, bootstrap_or_config=bootstrap)  # type: ignore[call-arg]
 
 
 def test_configuration_error_is_a_value_error_and_a_type_error() -> None:

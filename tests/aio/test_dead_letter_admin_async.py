@@ -31,6 +31,10 @@ from msgpatterns.testing import services
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
 
+#: aiokafka consumer settings for tests: short fetch waits, like KAFKA_TEST_CONSUMER.
+AIOKAFKA_TEST_CONSUMER = {"fetch_max_wait_ms": 50, "session_timeout_ms": 4000,
+                          "heartbeat_interval_ms": 1000}
+
 
 @dataclass
 class Setup:
@@ -47,9 +51,12 @@ class Setup:
         elif self.kind == "rabbitmq":
             from msgpatterns.aio.rabbitmq import AsyncRabbitMQBroker
             broker = AsyncRabbitMQBroker(self.url)
+        elif self.kind == "kafka":
+            from msgpatterns.aio.kafka import ThreadedAsyncKafkaBroker
+            broker = ThreadedAsyncKafkaBroker(self.url, consumer_config=KAFKA_TEST_CONSUMER)
         else:
-            from msgpatterns.aio.kafka import AsyncKafkaBroker
-            broker = AsyncKafkaBroker(self.url, consumer_config=KAFKA_TEST_CONSUMER)
+            from msgpatterns.aio.kafka import AsyncKafkaBroker  # aiokafka
+            broker = AsyncKafkaBroker(self.url, consumer_config=AIOKAFKA_TEST_CONSUMER)
         self.opened.append(broker)
         return broker
 
@@ -61,8 +68,14 @@ class Setup:
             broker = RedisStreamsBroker(self.url, ack_flush_interval=0)
         elif self.kind == "rabbitmq":
             broker = RabbitMQBroker(self.url)
-        else:
+        elif self.kind == "kafka":
             broker = KafkaBroker(self.url, consumer_config=KAFKA_TEST_CONSUMER)
+        else:  # sharing a group with aiokafka: its protocol and assignor (the mock
+            # cluster mixes neither)
+            broker = KafkaBroker(self.url, consumer_config={
+                **KAFKA_TEST_CONSUMER, "group.protocol": "classic",
+                "partition.assignment.strategy": "roundrobin",
+                "session.timeout.ms": 4000, "heartbeat.interval.ms": 1000})
         self.opened.append(broker)
         return broker
 
@@ -72,15 +85,18 @@ class Setup:
 
     @property
     def cli_url(self) -> str:
-        return f"kafka://{self.url}" if self.kind == "kafka" else self.url
+        return f"kafka://{self.url}" if self.kind.startswith("kafka") else self.url
 
 
 @pytest.fixture(params=[pytest.param("redis", marks=pytest.mark.redis),
                         pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
-                        pytest.param("kafka", marks=pytest.mark.kafka)])
+                        pytest.param("kafka", marks=pytest.mark.kafka),
+                        pytest.param("kafka-aiokafka", marks=pytest.mark.kafka)])
 async def setup(request: pytest.FixtureRequest) -> AsyncIterator[Setup]:
     kind = request.param
-    if kind == "kafka":
+    if kind.startswith("kafka"):
+        if kind == "kafka-aiokafka":
+            require_library("aiokafka", "AIOKafkaBroker")
         url = kafka_cluster().bootstrap_servers
     else:
         require_library("aio_pika" if kind == "rabbitmq" else "redis", kind)

@@ -43,8 +43,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._batch import failed, outgoing
@@ -71,6 +72,9 @@ aiokafka = require("aiokafka", "kafka")
 errors = require("aiokafka.errors", "kafka")
 
 __all__ = ["AIOKafkaBroker", "AsyncKafkaBroker"]
+
+if TYPE_CHECKING:
+    from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
 
 log = logging.getLogger("msgpatterns.aio.kafka")
 
@@ -141,6 +145,7 @@ class AIOKafkaBroker:
         connect_timeout: seconds a client may take to reach the cluster.
     """
 
+    @renamed_arguments(bootstrap_or_config="url")
     def __init__(
         self,
         url: str,
@@ -171,9 +176,28 @@ class AIOKafkaBroker:
         self._idle.set()
         self._closed = False
         self._close_done = asyncio.Event()
+        #: Sync brokers opened for dead-letter admins; closed with this broker.
+        self._admin_brokers: list[Any] = []
 
     async def __aenter__(self) -> AIOKafkaBroker:
         return self
+
+    def dead_letter_admin(self) -> KafkaDeadLetters:
+        """The sync admin of the ``<topic>.DLT`` topics (the same topology and wire
+        format), on a confluent-kafka broker of its own to the same cluster, closed by
+        the admin's ``close()``; await its calls through
+        :class:`~msgpatterns.aio.admin.AsyncDeadLetters`. Refused once closed."""
+        from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
+        from msgpatterns.brokers.kafka import KafkaBroker
+
+        if self._closed:
+            raise BrokerClosed("AIOKafkaBroker.dead_letter_admin: the broker is closed")
+        sync = KafkaBroker(self.bootstrap_servers, retry_suffix=self.retry_suffix,
+                           dead_letter_suffix=self.dead_letter_suffix,
+                           delivery_timeout=self.delivery_timeout,
+                           connect_timeout=self.connect_timeout)
+        self._admin_brokers.append(sync)
+        return KafkaDeadLetters(sync, owns_broker=True)
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
@@ -399,6 +423,9 @@ class AIOKafkaBroker:
             self._groups.clear()
             if self._producer is not None:
                 await self._stop(self._producer, "flush", failures)
+            for admin_broker in self._admin_brokers:  # its admins refuse from now on
+                await asyncio.to_thread(admin_broker.close)
+            self._admin_brokers.clear()
             if failures:
                 first = failures[0]
                 if isinstance(first, BrokerError):

@@ -28,8 +28,15 @@ class KafkaDeadLetters(ScannedDeadLetters):
     """List, replay and purge the dead letters of Kafka topics, through ``broker``'s
     producer and configuration (a short-lived reader consumer per scan)."""
 
-    def __init__(self, broker: KafkaBroker) -> None:
+    def __init__(self, broker: KafkaBroker, *, owns_broker: bool = False) -> None:
         self._broker = broker
+        self._owns_broker = owns_broker
+
+    def close(self) -> None:
+        """Close the broker this admin opened for itself (an async adapter's); a broker
+        it was given stays open."""
+        if self._owns_broker:
+            self._broker.close()
 
     def knows(self, topic: str, group: str | None = None) -> bool:
         b = self._broker
