@@ -386,7 +386,12 @@ async def test_attempt_count_survives_redelivery_restart_and_crash(h: AsyncHarne
 
 async def test_sync_and_async_adapters_read_each_others_retries(h: AsyncHarness) -> None:
     sync = h.sync_broker()
-    sync.subscribe(h.topic, h.group)
+    if not h.name.startswith("kafka"):
+        # Push brokers need the group's queue before the publish. A Kafka group reads
+        # from the earliest offset anyway, and closing a consumer still joining its
+        # group can stall librdkafka's close on the mock cluster (seen with the
+        # classic protocol): the test is about retries, not that.
+        sync.subscribe(h.topic, h.group)
     sync.publish(h.topic, b"x", key="k", headers={"origin": "sync"})
     h.close_sync(sync)  # one consumer at a time: push brokers prefetch
     broker = await h.broker()

@@ -426,7 +426,10 @@ class KafkaBroker(BrokerAdapter):
     def _close_consumer(self, consumer: Any) -> BaseException | None:
         """Close ``consumer`` (leave its group) within ``delivery_timeout``: librdkafka's
         close has no timeout of its own and can block on a broker that never answers,
-        so it runs on a helper thread that is abandoned past the limit."""
+        so it runs on a helper thread that is abandoned past the limit. (A stall inside
+        confluent-kafka's rebalance callback, which holds the GIL, cannot be bounded
+        from Python: seen once with a classic-protocol consumer closed mid-join on the
+        mock cluster.)"""
         outcome: list[BaseException] = []
 
         def leave() -> None:
