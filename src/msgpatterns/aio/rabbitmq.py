@@ -53,6 +53,7 @@ from msgpatterns.brokers.rabbitmq import (
     delay_bucket_ms,
     redelivery_wire,
     retry_queue_arguments,
+    take_round_robin,
 )
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.delivery import receipt_of
@@ -194,14 +195,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         give_up = time.monotonic() + timeout
         async with self._arrived:
             while True:
-                taking = True
-                while taking and len(out) < max_messages:  # round robin over the queues
-                    taking = False
-                    for queue in queues:
-                        buffer = self._buffers.get(queue)
-                        if buffer and len(out) < max_messages:
-                            out.append(buffer.popleft())
-                            taking = True
+                take_round_robin(self._buffers, queues, out, max_messages)
                 left = give_up - time.monotonic()
                 if out or left <= 0 or self._closed:
                     return out

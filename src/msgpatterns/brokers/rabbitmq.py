@@ -212,6 +212,20 @@ def _attempt(headers: Mapping[str, str], redeliveries: int) -> int:
     return codec.attempt_of(headers, redeliveries)
 
 
+def take_round_robin(buffers: Mapping[str, deque[Message]], queues: Sequence[str],
+                     out: list[Message], limit: int) -> None:
+    """Move buffered deliveries into ``out``, one per queue in turn, until ``out`` holds
+    ``limit`` or every buffer is empty (so no queue starves the others)."""
+    taking = True
+    while taking and len(out) < limit:
+        taking = False
+        for queue in queues:
+            buffer = buffers.get(queue)
+            if buffer and len(out) < limit:
+                out.append(buffer.popleft())
+                taking = True
+
+
 def retry_queue_arguments(queue: str, delay_ms: int, queue_type: str | None) -> dict[str, Any]:
     """The arguments of retry queue ``<queue>.retry.<delay_ms>``: that message TTL, then
     dead-lettered back to ``queue``; deleted a minute after its last use."""
@@ -544,14 +558,7 @@ class RabbitMQBroker(BrokerAdapter):
         out: list[Message] = []
         with self._cond:
             while True:
-                taking = True
-                while taking and len(out) < max_messages:  # round robin over the queues
-                    taking = False
-                    for queue in queues:
-                        buffer = self._buffers.get(queue)
-                        if buffer and len(out) < max_messages:
-                            out.append(buffer.popleft())
-                            taking = True
+                take_round_robin(self._buffers, queues, out, max_messages)
                 left = give_up - time.monotonic()
                 if out or left <= 0 or self._closed.is_set() or not self._thread.is_alive():
                     return out

@@ -478,31 +478,20 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def ack(self, message: Message) -> None:
         """Queue the ack (see the batching note above); :meth:`flush` sends it now."""
-        r = receipt_of(message, _Receipt, _OWNER)
-        if self.ack_flush_interval <= 0:
-            self._check_open()
-            self._send_acks([r])
-            return
-        with self._ack_lock:
-            self._check_open()  # under the lock: close() flushes whatever got queued
-            self._acks.append(r)
-            full = len(self._acks) >= self.ack_batch
-            if self._flusher is None:
-                self._flusher = threading.Thread(target=self._flush_periodically,
-                                                 name=f"{self.consumer}-acks", daemon=True)
-                self._flusher.start()
-        if full:
-            self._flush()
+        self._queue_acks([receipt_of(message, _Receipt, _OWNER)])
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
-        receipts = [receipt_of(message, _Receipt, _OWNER) for message in messages]
+        self._queue_acks([receipt_of(message, _Receipt, _OWNER) for message in messages])
+
+    def _queue_acks(self, receipts: list[_Receipt]) -> None:
+        """Send the acks now (no batching) or queue them for the flusher thread."""
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks(receipts)
             return
         with self._ack_lock:
-            self._check_open()
+            self._check_open()  # under the lock: close() flushes whatever got queued
             self._acks.extend(receipts)
             full = len(self._acks) >= self.ack_batch
             if self._flusher is None:
