@@ -35,7 +35,6 @@ import contextvars
 import inspect
 import logging
 import signal
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -53,15 +52,14 @@ from msgpatterns.errors import (
 )
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
+from msgpatterns.runtime.async_flow import AsyncFlow
+from msgpatterns.runtime.async_settling import AsyncSettling
 from msgpatterns.runtime.clock import LoopTimer, VirtualClock
 from msgpatterns.runtime.driver import DriverBase
-from msgpatterns.runtime.flow import Slots
 from msgpatterns.runtime.gate import KeyGate
 from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
-from msgpatterns.runtime.scheduler import RetryScheduler
-from msgpatterns.runtime.settler import Settled, run_async
-from msgpatterns.runtime.stats import ConsumerStats
+from msgpatterns.runtime.stats import ConsumerStats, Reporter
 
 __all__ = ["AsyncConsumer", "AsyncHandler"]
 
@@ -135,31 +133,37 @@ class AsyncConsumer(DriverBase):
             ack_timeout=ack_timeout, decoder=decoder, dead_letters=dead_letters,
             poll_timeout=poll_timeout, shutdown_timeout=shutdown_timeout,
             fetch_batch=fetch_batch, name=name, default_name=f"msgpatterns-async-{group}",
-            counts={}, rebind=self._on_settle, log=log)
+            counts={}, log=log)
         self.handler = handler
         self._async_decoder = decoder is not None and is_async_callable(decoder)
+        #: A RetryPolicy whose decide() is overridden sees every success too.
+        self._plain_decide = type(self.retry).decide is RetryPolicy.decide
 
-        self._state = State.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0
         self._timer: LoopTimer | None = None  # ack deadlines and retry timers
         self._deadlines: DeadlineTracker[Message] | None = None  # ack deadlines
-        self._running: set[asyncio.Task[None]] = set()  # handler tasks
-        self._settling: set[asyncio.Task[None]] = set()
-        self._finishing: set[asyncio.Task[Any]] = set()  # handler tasks now settling
+        self._workers: list[asyncio.Task[None]] = []
+        self._finishing: set[asyncio.Task[Any]] = set()  # workers now settling
         self._fetcher: asyncio.Task[None] | None = None
-        self._changed: asyncio.Event | None = None
         self._stop_requested: asyncio.Event | None = None
         self._stopping: asyncio.Lock | None = None
         self._until_idle = False
-        self._gate: KeyGate | None = None
-        #: Delayed retries and the slots (made per start(): on the loop, or virtual).
-        self._scheduler: RetryScheduler[Message] = RetryScheduler(
-            VirtualClock(None, broker.now), self._retry_due)
-        self._slots = Slots(self.stats, None, self._scheduler)
-        # The settlement the task running handler_finished() awaits itself (no task).
-        self._inline: Message | None = None
-        self._inline_outcome: tuple[BaseException | None] | None = None
+        #: The slots, the ready queue, the retry scheduler and the wake-ups.
+        self._flow = AsyncFlow(self.stats, VirtualClock(None, broker.now))
+        #: Where deliveries report their outcome (settler -> broker -> freed slot).
+        self._settling = AsyncSettling(
+            broker=broker, settler=self._settler, flow=self._flow,
+            dead_letters=dead_letters, reporter=Reporter(self), log=log)
+        self._settler.rebind = self._settling.on_settled
+
+    @property
+    def _state(self) -> State:
+        """The lifecycle state (kept by the flow)."""
+        return self._flow.state
+
+    @_state.setter
+    def _state(self, state: State) -> None:
+        self._flow.state = state
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -169,20 +173,21 @@ class AsyncConsumer(DriverBase):
             return
         if self._state is State.STOPPING:
             raise RuntimeError("the consumer is stopping")
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        self._changed = asyncio.Event()
+        loop = self._loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Lock()
-        self._timer = LoopTimer(self._loop)
-        self._gate = KeyGate() if self.ordered else None
-        self._scheduler = RetryScheduler(self._retry_clock(self._timer, self._until_idle),
-                                         self._retry_due)
-        self._slots = Slots(self.stats, self._gate, self._scheduler)
+        self._timer = LoopTimer(loop)
+        gate = KeyGate() if self.ordered else None
+        self._flow.reset(loop, self._retry_clock(self._timer, self._until_idle), gate)
         self._deadlines = (
             DeadlineTracker(self._timer, self.ack_timeout, self._deadline)
             if self.ack_timeout > 0 else None)
+        self._settling.reset(loop, self._deadlines,
+                             plain_acks=gate is None and self._plain_decide)
         self._state = State.RUNNING
+        # One long-lived worker per slot: never more handlers run than messages held.
+        self._workers = [asyncio.create_task(self._work(), name=f"{self.name}-worker-{i}")
+                         for i in range(self.max_in_flight)]
         self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"{self.name}-fetch")
         self._fetcher.add_done_callback(self._fetcher_ended)
 
@@ -224,39 +229,43 @@ class AsyncConsumer(DriverBase):
         if self._state in (State.NEW, State.STOPPED):
             self._state = State.STOPPED
             return True
+        flow = self._flow
         self._state = State.STOPPING
-        self._notify()
+        flow.notify()
         fetcher = self._fetcher
         if fetcher is not None:
             await asyncio.wait([fetcher])  # bounded by poll_timeout; hands back its fetch
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._drained(), limit)
-        leftovers = list(self._slots.held)
-        self._scheduler.clear()
+        leftovers = list(flow.slots.held)
+        flow.scheduler.clear()
         for message in leftovers:
             message.delivery.expire(message, Released("consumer stopped"))
         self._state = State.STOPPED
-        for task in list(self._running):
+        for task in self._workers:
             if task not in self._finishing:  # a settlement in progress is let finish
                 task.cancel()
-        while self._running or self._settling:
-            await asyncio.wait(list(self._running | self._settling))
+        flow.wake_all()
+        pending = self._settling.tasks
+        while pending or self._workers:
+            await asyncio.wait([*self._workers, *pending])
+            self._workers = [task for task in self._workers if not task.done()]
         if self._timer is not None:
             self._timer.stop()
-        self._scheduler.clear()
+        flow.scheduler.clear()
         assert self._stop_requested is not None
         self._stop_requested.set()
         return not leftovers
 
     async def _drained(self) -> None:
-        while self._slots:
-            await self._wait_change()
+        while self._flow.slots:
+            await self._flow.wait_change()
 
     def _request_stop(self) -> None:
         """Ask for a stop without waiting (from a handler, or a signal)."""
         if self._state is State.RUNNING:
             self._state = State.STOPPING
-            self._notify()
+            self._flow.notify()
         if self._stop_requested is not None:
             self._stop_requested.set()
 
@@ -313,7 +322,7 @@ class AsyncConsumer(DriverBase):
     @property
     def in_flight(self) -> int:
         """Messages fetched and not yet settled."""
-        return len(self._slots)
+        return len(self._flow.slots)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("%s: signal %s, shutting down", self.name, sig.name)
@@ -322,55 +331,40 @@ class AsyncConsumer(DriverBase):
 
     # -- fetching -------------------------------------------------------------------
 
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-
-    async def _wait_change(self, timeout: float | None = None) -> None:
-        """Wait until something changed since the event was last cleared."""
-        changed = self._changed
-        assert changed is not None
-        if not changed.is_set():
-            if timeout is None:
-                await changed.wait()
-            else:
-                try:
-                    await asyncio.wait_for(changed.wait(), timeout)
-                except TimeoutError:
-                    return
-        changed.clear()
-
     async def _fetch_loop(self) -> None:
-        """Fetch while slots are free, start what may run, and (until idle) move
-        virtual time when nothing can; exits when the consumer stops."""
+        """Fetch while slots are free (the workers take what may run), and (until
+        idle) move virtual time when nothing can; exits when the consumer stops."""
+        flow = self._flow
+        slots = flow.slots
         while self._state is State.RUNNING:
-            free = self.max_in_flight - len(self._slots)
+            free = self.max_in_flight - len(slots)
             if free <= 0:
-                # Full: only a held retry coming due can free a slot.
-                if not (self._until_idle and self._slots.nothing_active()
+                # Full: only a settlement, or a held retry coming due, frees a slot.
+                if not (self._until_idle and slots.nothing_active()
                         and self._jump(can_fetch=False)):
-                    await self._wait_change(self.poll_timeout)
+                    await flow.wait_change(self.poll_timeout)
                 continue
             until_idle = self._until_idle
-            generation = self._slots.settled
+            generation = slots.settled
             messages = await self._fetch(min(free, self.fetch_batch),
                                          0.0 if until_idle else None)
             if self._state is not State.RUNNING:
-                await self._hand_back(messages)
+                await self._settling.hand_back(messages)
                 return
             if messages:
-                self.stats.fetched += len(messages)
+                sink = self._settling.on_settled
                 for message in messages:
-                    self._admit(message)
+                    message.delivery.bind(sink)
+                flow.admit(messages)
                 continue
             if not until_idle:
                 continue
-            if not self._slots.nothing_active():
-                if self._slots.settled == generation:
-                    await self._wait_change(self.poll_timeout)
+            if not slots.nothing_active():
+                if slots.settled == generation:
+                    await flow.wait_change(self.poll_timeout)
             elif not self._jump(can_fetch=True):
-                if self._slots:  # retries due later in real time
-                    await self._wait_change(self.poll_timeout)
+                if slots:  # retries due later in real time
+                    await flow.wait_change(self.poll_timeout)
                 else:
                     self._request_stop()
                     return
@@ -391,139 +385,69 @@ class AsyncConsumer(DriverBase):
             await asyncio.sleep(min(self.poll_timeout, 1.0))
             return []
 
-    async def _hand_back(self, messages: list[Message], *, fetched: bool = True) -> None:
-        """Nack ``messages`` unprocessed (a fetch that returned after the stop began,
-        or a retry copy made after it)."""
-        if fetched:
-            self.stats.fetched += len(messages)
-        errors = await run_async(self._settler.hand_back(messages), self.broker, None)
-        self.stats.released += len(messages) - errors
-        self.stats.broker_errors += errors
-
-    def _admit(self, message: Message) -> None:
-        """A fetched message takes a slot, then runs now or waits behind its key."""
-        message.delivery.bind(self._on_settle)
-        self._slots.take((message,))
-        if self._gate is None or self._gate.admit(message):
-            self._spawn(message)
-
-    def _spawn(self, message: Message) -> None:
-        task = asyncio.create_task(self._execute(message))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
     def _jump(self, *, can_fetch: bool) -> bool:
         """Nothing active: move virtual time to the next moment something can run
         (:func:`msgpatterns.runtime.idle.jump`) and start the retries now due. True
         when progress became possible."""
-        moved = jump_or_none(self.broker, self.topics, self.group, self._scheduler,
+        flow = self._flow
+        moved = jump_or_none(self.broker, self.topics, self.group, flow.scheduler,
                              can_fetch=can_fetch, stats=self.stats, count=self._count,
                              log=log, name=self.name)
         if moved is None:
             return False
         fetchable, due = moved
         for message in due:
-            self._spawn(message)
+            flow.push(message)
         if due:
-            self._notify()
+            flow.notify()
         return bool(due) or fetchable
 
-    def _retry_due(self, message: Message) -> None:
-        """A retry's timer fired (on the loop): run it."""
-        if self._scheduler.take(message) and self._state is not State.STOPPED:
-            self._spawn(message)
-        self._notify()
+    # -- the workers ------------------------------------------------------------------
 
-    # -- one delivery ---------------------------------------------------------------
-
-    async def _execute(self, message: Message) -> None:
-        """Run the handler on ``message`` and settle it; the settlement of its own
-        outcome is awaited here, not in a new task."""
+    async def _work(self) -> None:
+        """One worker: run the ready messages one after another until the run stops;
+        the settlement of each handler's own outcome is awaited here, not in a task."""
         _own_task.set(self)
-        if message.acked:
-            return  # handed back by stop() before it could run
-        if self._deadlines is not None:
-            self._deadlines.track(message)
-        error: BaseException | None = None
-        try:
-            await self._call_handler(message)
-        except asyncio.CancelledError as exc:
-            if self._state is State.STOPPED:
-                raise  # stop() cancelled it; its message was handed back
-            error = exc  # the handler's own cancellation fails the message
-        except BaseException as exc:  # SystemExit & co fail the message, not the loop
-            error = exc
-        self._inline, self._inline_outcome = message, None
-        try:
-            message.delivery.finish(message, error)
-        finally:
-            outcome, self._inline, self._inline_outcome = self._inline_outcome, None, None
-        if outcome is not None:
-            task = asyncio.current_task()
-            assert task is not None
-            self._finishing.add(task)
+        me = asyncio.current_task()
+        assert me is not None
+        flow, settling, finishing = self._flow, self._settling, self._finishing
+        ready = flow.ready
+        handler = self.handler if self.decoder is None else self._decode_and_call
+        deadlines = self._deadlines
+        while True:
+            if ready:
+                message: Message | None = ready.popleft()
+            else:
+                message = await flow.next()
+            if message is None or self._state is State.STOPPED:
+                return
+            if message.acked:
+                continue  # handed back by stop() before it could run
+            if deadlines is not None:
+                deadlines.track(message)
+            error: BaseException | None = None
             try:
-                await self._settle(message, outcome[0])
-            finally:
-                self._finishing.discard(task)
+                await handler(message)
+            except asyncio.CancelledError as exc:
+                if self._state is State.STOPPED:
+                    raise  # stop() cancelled it; its message was handed back
+                error = exc  # the handler's own cancellation fails the message
+            except BaseException as exc:  # SystemExit & co fail the message, not the loop
+                error = exc
+            outcome = settling.finish(message, error)
+            if outcome is not None:
+                finishing.add(me)
+                try:
+                    await settling.settle(message, outcome[0])
+                finally:
+                    finishing.discard(me)
 
-    async def _call_handler(self, message: Message) -> None:
+    async def _decode_and_call(self, message: Message) -> None:
         decoder = self.decoder
-        if decoder is not None:
-            try:
-                body = decoder(message.raw_body)
-                message.body = await body if self._async_decoder else body
-            except Exception as exc:
-                raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
-        await self.handler(message)
-
-    def _on_settle(self, message: Message, error: BaseException | None) -> None:
-        """Message callback (once per delivery, on any thread): carry out the
-        settlement on the loop."""
-        if threading.get_ident() != self._loop_thread:
-            loop = self._loop
-            assert loop is not None
-            try:
-                loop.call_soon_threadsafe(self._start_settling, message, error)
-            except RuntimeError:  # the loop is closed: stop() handed it back already
-                log.warning("%s: late settlement of %s after the loop closed", self.name,
-                            message.id)
-            return
-        if self._inline is message:
-            self._inline_outcome = (error,)
-            return
-        self._start_settling(message, error)
-
-    def _start_settling(self, message: Message, error: BaseException | None) -> None:
-        task = asyncio.create_task(self._settle(message, error))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, message: Message, error: BaseException | None) -> None:
-        """Carry out the settler's settlement (awaiting its broker operations); whatever
-        fails, the delivery is settled another way and its slot freed."""
-        if self._deadlines is not None:
-            self._deadlines.untrack(message)
-        settled = Settled(["broker_errors"])
+        assert decoder is not None
         try:
-            settled = await run_async(self._settler.settle(message, error), self.broker,
-                                      self.dead_letters)
-        finally:
-            self._release(message, settled)
-
-    def _release(self, message: Message, settled: Settled) -> None:
-        """Free the slot, or give it to the retry copy (now, or scheduled); in ordered
-        mode the key's next message may run."""
-        run, give_back = self._slots.free(message, settled,
-                                          stopped=self._state is State.STOPPED)
-        if give_back:
-            self._start_hand_back(message)
-        if run is not None and self._state is not State.STOPPED:
-            self._spawn(run)
-        self._notify()
-
-    def _start_hand_back(self, message: Message) -> None:
-        task = asyncio.create_task(self._hand_back([message], fetched=False))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
+            body = decoder(message.raw_body)
+            message.body = await body if self._async_decoder else body
+        except Exception as exc:
+            raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
+        await self.handler(message)
