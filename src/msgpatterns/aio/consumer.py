@@ -138,6 +138,8 @@ class AsyncConsumer(DriverBase):
         self._async_decoder = decoder is not None and is_async_callable(decoder)
         #: A RetryPolicy whose decide() is overridden sees every success too.
         self._plain_decide = type(self.retry).decide is RetryPolicy.decide
+        #: Fewest free slots for which a worker fetches itself (see _top_up).
+        self._top_up_min = max(1, min(fetch_batch, max_in_flight) // 4)
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: LoopTimer | None = None  # ack deadlines and retry timers
@@ -344,18 +346,22 @@ class AsyncConsumer(DriverBase):
                         and self._jump(can_fetch=False)):
                     await flow.wait_change(self.poll_timeout)
                 continue
+            if flow.fetching:  # a worker is topping up (see _top_up)
+                await flow.wait_change(self.poll_timeout)
+                continue
             until_idle = self._until_idle
             generation = slots.settled
-            messages = await self._fetch(min(free, self.fetch_batch),
-                                         0.0 if until_idle else None)
+            flow.fetching = True
+            try:
+                messages = await self._fetch(min(free, self.fetch_batch),
+                                             0.0 if until_idle else None)
+            finally:
+                flow.fetching = False
             if self._state is not State.RUNNING:
                 await self._settling.hand_back(messages)
                 return
             if messages:
-                sink = self._settling.on_settled
-                for message in messages:
-                    message.delivery.bind(sink)
-                flow.admit(messages)
+                self._admit(messages)
                 continue
             if not until_idle:
                 continue
@@ -368,6 +374,33 @@ class AsyncConsumer(DriverBase):
                 else:
                     self._request_stop()
                     return
+
+    def _admit(self, messages: list[Message]) -> None:
+        sink = self._settling.on_settled
+        for message in messages:
+            message.delivery.bind(sink)
+        self._flow.admit(messages)
+
+    async def _top_up(self) -> None:
+        """A worker found nothing ready: when enough slots are free and no fetch is
+        running, fetch without waiting (``timeout=0``) right here - the messages are
+        then taken without waking the fetch loop and idle workers first. A fetch that
+        returns after the stop began is handed back."""
+        flow = self._flow
+        if (flow.fetching or self._state is not State.RUNNING
+                or self.max_in_flight - len(flow.slots) < self._top_up_min):
+            return
+        flow.fetching = True
+        try:
+            messages = await self._fetch(
+                min(self.max_in_flight - len(flow.slots), self.fetch_batch), 0.0)
+        finally:
+            flow.fetching = False
+            flow.notify()
+        if self._state is not State.RUNNING:
+            await self._settling.hand_back(messages)
+        elif messages:
+            self._admit(messages)
 
     async def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
@@ -415,6 +448,12 @@ class AsyncConsumer(DriverBase):
         handler = self.handler if self.decoder is None else self._decode_and_call
         deadlines = self._deadlines
         while True:
+            if not ready:
+                finishing.add(me)  # a fetch is not cancelled: what it brings is handed back
+                try:
+                    await self._top_up()
+                finally:
+                    finishing.discard(me)
             if ready:
                 message: Message | None = ready.popleft()
             else:
@@ -434,6 +473,14 @@ class AsyncConsumer(DriverBase):
                 error = exc  # the handler's own cancellation fails the message
             except BaseException as exc:  # SystemExit & co fail the message, not the loop
                 error = exc
+            if error is None and settling.quick_ack(message):
+                # The hot path: a success settled here, without the delivery's sink.
+                finishing.add(me)
+                try:
+                    await settling.ack(message)
+                finally:
+                    finishing.discard(me)
+                continue
             outcome = settling.finish(message, error)
             if outcome is not None:
                 finishing.add(me)

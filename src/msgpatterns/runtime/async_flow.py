@@ -55,6 +55,8 @@ class AsyncFlow:
         self._idle: deque[asyncio.Future[None]] = deque()  # workers waiting for work
         self._watchers: list[asyncio.Future[None]] = []  # waiting for any change
         self._dirty = False  # a change no watcher has seen yet
+        #: A fetch is running (one at a time: the free slots are counted before it).
+        self.fetching = False
 
     def reset(self, loop: asyncio.AbstractEventLoop, clock: Clock,
               gate: KeyGate | None) -> None:
@@ -67,6 +69,7 @@ class AsyncFlow:
         self._idle.clear()
         self._watchers.clear()
         self._dirty = False
+        self.fetching = False
 
     # -- in: fetched messages, retries now due -----------------------------------------
 

@@ -97,6 +97,28 @@ class AsyncSettling:
         finally:
             self._inline = self._outcome = None
 
+    def quick_ack(self, message: Message) -> bool:
+        """The handler of ``message`` returned: when its success is a plain ack (auto
+        ack, no key gate, no custom decide, no telemetry listener), settle the delivery
+        quietly and return True - the caller then awaits :meth:`ack`. False: use
+        :meth:`finish` (nothing changed)."""
+        delivery = message.delivery
+        return (self.plain_acks and delivery.auto_ack and _obs.listener is None
+                and delivery.settle_quietly())
+
+    async def ack(self, message: Message) -> None:
+        """Carry out a success settled by :meth:`quick_ack`: the ack, the freed slot
+        (a failed ack is settled another way)."""
+        deadlines = self.deadlines
+        if deadlines is not None:
+            deadlines.untrack(message)
+        try:
+            await self.broker.ack(message)
+        except Exception as failure:
+            await self._ack_failed(message, failure)
+            return
+        self.flow.free_acked(message)
+
     def spawn(self, message: Message, error: BaseException | None) -> None:
         """Settle in a task of its own."""
         task = asyncio.ensure_future(self.settle(message, error))
@@ -108,18 +130,12 @@ class AsyncSettling:
     async def settle(self, message: Message, error: BaseException | None) -> None:
         """Carry out the settlement of ``message`` (awaiting its broker operations);
         whatever fails, the delivery is settled another way and its slot freed."""
+        if error is None and self.plain_acks and _obs.listener is None:
+            await self.ack(message)  # a success is an ack and a freed slot
+            return
         deadlines = self.deadlines
         if deadlines is not None:
             deadlines.untrack(message)
-        if error is None and self.plain_acks and _obs.listener is None:
-            # The hot path: a success is an ack and a freed slot.
-            try:
-                await self.broker.ack(message)
-            except Exception as failure:
-                await self._ack_failed(message, failure)
-                return
-            self.flow.free_acked(message)
-            return
         settled = Settled(["broker_errors"])
         try:
             settled = await run_async(self.settler.settle(message, error), self.broker,
