@@ -468,7 +468,7 @@ class AsyncConsumer(DriverBase):
             try:
                 await handler(message)
             except asyncio.CancelledError as exc:
-                if self._state is State.STOPPED:
+                if flow.state is State.STOPPED:
                     raise  # stop() cancelled it; its message was handed back
                 error = exc  # the handler's own cancellation fails the message
             except BaseException as exc:  # SystemExit & co fail the message, not the loop
