@@ -37,7 +37,8 @@ import logging
 import signal
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 from msgpatterns._callables import is_async_callable, require_async_callable
 from msgpatterns.aio.base import AsyncBroker
@@ -50,6 +51,7 @@ from msgpatterns.errors import (
     describe,
     seconds,
 )
+from msgpatterns.idempotency.batch import BatchGuard, Entry, guard_of
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
 from msgpatterns.runtime.async_flow import AsyncFlow
@@ -59,6 +61,7 @@ from msgpatterns.runtime.driver import DriverBase
 from msgpatterns.runtime.gate import KeyGate
 from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
+from msgpatterns.runtime.rounds import Claimed, Round
 from msgpatterns.runtime.stats import ConsumerStats, Reporter
 
 __all__ = ["AsyncConsumer", "AsyncHandler"]
@@ -136,6 +139,9 @@ class AsyncConsumer(DriverBase):
             counts={}, log=log)
         self.handler = handler
         self._async_decoder = decoder is not None and is_async_callable(decoder)
+        #: The batch claims of an async @idempotent handler on a lease checker (None:
+        #: plain, or one transaction per message).
+        self._guard: BatchGuard | None = guard_of(handler)
         #: A RetryPolicy whose decide() is overridden sees every success too.
         self._plain_decide = type(self.retry).decide is RetryPolicy.decide
         #: Fewest free slots for which a worker fetches itself (see _top_up).
@@ -446,7 +452,7 @@ class AsyncConsumer(DriverBase):
         flow, settling, finishing = self._flow, self._settling, self._finishing
         ready = flow.ready
         handler = self.handler if self.decoder is None else self._decode_and_call
-        deadlines = self._deadlines
+        deadlines, guard = self._deadlines, self._guard
         while True:
             if not ready:
                 finishing.add(me)  # a fetch is not cancelled: what it brings is handed back
@@ -454,12 +460,13 @@ class AsyncConsumer(DriverBase):
                     await self._top_up()
                 finally:
                     finishing.discard(me)
-            if ready:
-                message: Message | None = ready.popleft()
-            else:
-                message = await flow.next()
-            if message is None or self._state is State.STOPPED:
+            item = ready.popleft() if ready else await flow.next()
+            if item is None or self._state is State.STOPPED:
                 return
+            if guard is not None:
+                await self._batched(guard, item, me)
+                continue
+            message = cast(Message, item)
             if message.acked:
                 continue  # handed back by stop() before it could run
             if deadlines is not None:
@@ -498,3 +505,135 @@ class AsyncConsumer(DriverBase):
         except Exception as exc:
             raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
         await self.handler(message)
+
+    # -- batch claims of an async @idempotent handler ---------------------------------
+
+    async def _batched(self, guard: BatchGuard, item: Message | Claimed,
+                       me: asyncio.Task[Any]) -> None:
+        """A worker's item when the handler's keys are claimed per batch: a claimed
+        message of a round (run it), or a ready message (it and the ready messages
+        after it make a new round: one claim round trip)."""
+        try:
+            if isinstance(item, Claimed):
+                await self._run_claimed(item.guard, item.batch, item.entry, me)
+            else:
+                await self._claim_round(guard, await self._intake(self._take_ready(item)),
+                                        me)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the worker survives whatever happens
+            log.exception("%s: running a batch failed", self.name)
+
+    def _take_ready(self, first: Message) -> list[Message]:
+        """``first`` and the ready messages after it (not claimed ones), up to
+        ``fetch_batch``."""
+        chunk = [first]
+        ready = self._flow.ready
+        while len(chunk) < self.fetch_batch and ready and not isinstance(ready[0], Claimed):
+            chunk.append(cast(Message, ready.popleft()))
+        return chunk
+
+    async def _intake(self, messages: list[Message]) -> list[Message]:
+        """Start the deadlines and decode; the messages left to run (not handed back,
+        decodable; a malformed one is settled here)."""
+        deadlines, decoder = self._deadlines, self.decoder
+        live: list[Message] = []
+        for message in messages:
+            if message.acked:
+                continue  # handed back by stop() before it could run
+            if deadlines is not None:
+                deadlines.track(message)
+            if decoder is not None:
+                try:
+                    body = decoder(message.raw_body)
+                    message.body = await body if self._async_decoder else body
+                except Exception as exc:
+                    error = MalformedMessage(f"cannot decode body: {describe(exc)}")
+                    error.__cause__ = exc
+                    await self._settle_unrun(message, error)
+                    continue
+            live.append(message)
+        return live
+
+    async def _settle_unrun(self, message: Message, error: BaseException | None) -> None:
+        """Settle a message whose handler does not run (a duplicate: success; a key in
+        progress, a missing key, a malformed body: ``error``)."""
+        outcome = self._settling.finish(message, error)
+        if outcome is not None:
+            await self._settling.settle(message, outcome[0])
+
+    async def _claim_round(self, guard: BatchGuard, live: list[Message],
+                           me: asyncio.Task[Any]) -> None:
+        """One claim round trip for ``live``; settle those whose handler does not run,
+        share the claimed ones out to the workers (this one runs the first). A claimed
+        message completes or releases its claim before it is settled, whoever settles
+        it (:meth:`AsyncSettling.on_claimed_settled`)."""
+        if not live:
+            return
+        self._finishing.add(me)  # a claim in progress is not cancelled by stop()
+        try:
+            entries = await guard.aprepare(live)
+        finally:
+            self._finishing.discard(me)
+        runs: list[Entry] = []
+        later: list[Message] = []
+        for entry in entries:
+            if entry.later:
+                later.append(entry.message)
+            elif not entry.run:
+                await self._settle_unrun(entry.message, entry.error)
+            else:
+                if entry.claim is not None:
+                    entry.message.delivery.bind(
+                        partial(self._settling.on_claimed_settled, guard, entry))
+                runs.append(entry)
+        if not runs:
+            return
+        batch = Round(len(runs), later, None)
+        if len(runs) > 1:
+            self._flow.push_claimed([Claimed(guard, batch, entry) for entry in runs[1:]])
+        await self._run_claimed(guard, batch, runs[0], me)
+
+    async def _run_claimed(self, guard: BatchGuard, batch: Round, entry: Entry,
+                           me: asyncio.Task[Any]) -> None:
+        """Run one claimed message's handler; the round's last finisher completes it."""
+        message = entry.message
+        if message.acked:  # handed back or expired before it ran: its claim is released
+            last = batch.add(None, None)
+        else:
+            error: BaseException | None = None
+            try:
+                entry.result = await guard.handler(message)
+            except asyncio.CancelledError as exc:
+                if self._flow.state is State.STOPPED:
+                    raise  # stop() cancelled it; its message was handed back
+                error = exc
+            except BaseException as exc:  # SystemExit & co fail the message, not the loop
+                error = exc
+            if error is None and (message.acked or not message.auto_ack):
+                # Settled by the handler, or awaiting its explicit ack: its claim is
+                # finished when it is settled (AsyncSettling.on_claimed_settled).
+                last = batch.add(None, None)
+            else:
+                last = batch.add(entry, error)
+        if last:
+            await self._finish_round(guard, batch, me)
+
+    async def _finish_round(self, guard: BatchGuard, batch: Round,
+                            me: asyncio.Task[Any]) -> None:
+        """Complete what returned (one round trip), release what raised (one), then
+        settle: the acks go out after DONE is written."""
+        self._finishing.add(me)
+        try:
+            try:
+                await guard.afinish(batch.returned, [entry for entry, _ in batch.raised])
+            except Exception:  # a closed checker...: the effects happened; settle anyway
+                log.exception("%s: completing a batch of idempotency claims failed",
+                              self.name)
+            for entry, error in batch.raised:
+                entry.message.delivery.finish(entry.message, error)
+            await self._settling.ack_all([entry.message for entry in batch.returned])
+        finally:
+            self._finishing.discard(me)
+        if batch.later:  # repeats of keys this round held: duplicates now (or runs)
+            await self._claim_round(guard, [m for m in batch.later if not m.acked], me)

@@ -27,6 +27,7 @@ from msgpatterns.runtime.clock import Clock, VirtualClock
 from msgpatterns.runtime.flow import Slots
 from msgpatterns.runtime.gate import KeyGate
 from msgpatterns.runtime.lifecycle import State
+from msgpatterns.runtime.rounds import Claimed
 from msgpatterns.runtime.scheduler import RetryScheduler
 from msgpatterns.runtime.settler import Settled
 from msgpatterns.runtime.stats import ConsumerStats
@@ -50,8 +51,9 @@ class AsyncFlow:
         #: Delayed retries (made per :meth:`reset`: on the loop's timer, or virtual).
         self.scheduler: RetryScheduler[Message] = RetryScheduler(now, self.retry_due)
         self.slots = Slots(stats, None, self.scheduler)
-        #: Messages that may run now, in the order they may run.
-        self.ready: deque[Message] = deque()
+        #: Messages that may run now, in the order they may run (and the claimed
+        #: messages of a batch claim round, at the front).
+        self.ready: deque[Message | Claimed] = deque()
         self._idle: deque[asyncio.Future[None]] = deque()  # workers waiting for work
         self._watchers: list[asyncio.Future[None]] = []  # waiting for any change
         self._dirty = False  # a change no watcher has seen yet
@@ -89,6 +91,11 @@ class AsyncFlow:
         self.ready.append(message)
         self._wake_workers()
 
+    def push_claimed(self, items: list[Claimed]) -> None:
+        """Claimed messages of a round run next, before anything else ready."""
+        self.ready.extendleft(reversed(items))
+        self._wake_workers()
+
     def retry_due(self, message: Message) -> None:
         """A retry's timer fired: it may run (unless cancelled, or the run is over)."""
         if self.scheduler.take(message) and self.state is not State.STOPPED:
@@ -115,7 +122,7 @@ class AsyncFlow:
 
     # -- waiting --------------------------------------------------------------------------
 
-    async def next(self) -> Message | None:
+    async def next(self) -> Message | Claimed | None:
         """The next message to run, waiting while there is none; None once the run
         is stopped (the worker then ends)."""
         ready = self.ready

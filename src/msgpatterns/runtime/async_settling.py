@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
+from msgpatterns.idempotency.batch import BatchGuard, Entry
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.runtime.async_flow import AsyncFlow
@@ -71,18 +73,32 @@ class AsyncSettling:
         """A delivery was settled (once, on any thread): carry the settlement out on
         the loop - awaited by the worker inside :meth:`finish`, else in a new task."""
         if threading.get_ident() != self._loop_thread:
-            loop = self._loop
-            assert loop is not None
-            try:
-                loop.call_soon_threadsafe(self.spawn, message, error)
-            except RuntimeError:  # the loop is closed: the stop handed it back already
-                self.log.warning("%s: late settlement of %s after the loop closed",
-                                 self.settler.name, message.id)
-            return
-        if self._inline is message:
+            self._from_thread(self.spawn, message, error)
+        elif self._inline is message:
             self._outcome = (error,)
-            return
-        self.spawn(message, error)
+        else:
+            self.spawn(message, error)
+
+    def on_claimed_settled(self, guard: BatchGuard, entry: Entry, message: Message,
+                           error: BaseException | None) -> None:
+        """The sink of a batch-claimed delivery: settled outside its round's finish (an
+        explicit ack, its deadline, a stop, a failure the round reports), its claim is
+        completed (success) or released (failure) first, then it is settled - in a
+        task of its own."""
+        claimed = partial(self._settle_claimed, guard, entry)
+        if threading.get_ident() != self._loop_thread:
+            self._from_thread(self._track, claimed, message, error)
+        else:
+            self._track(claimed, message, error)
+
+    def _from_thread(self, then: Callable[..., object], *args: object) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(then, *args)
+        except RuntimeError:  # the loop is closed: the stop handed it back already
+            self.log.warning("%s: late settlement of %s after the loop closed",
+                             self.settler.name, getattr(args[-2], "id", None))
 
     def finish(self, message: Message,
                error: BaseException | None) -> tuple[BaseException | None] | None:
@@ -121,9 +137,26 @@ class AsyncSettling:
 
     def spawn(self, message: Message, error: BaseException | None) -> None:
         """Settle in a task of its own."""
-        task = asyncio.ensure_future(self.settle(message, error))
+        self._track(self.settle, message, error)
+
+    def _track(self, settle: Callable[[Message, BaseException | None], Awaitable[None]],
+               message: Message, error: BaseException | None) -> None:
+        task = asyncio.ensure_future(settle(message, error))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    async def ack_all(self, messages: Sequence[Message]) -> None:
+        """Settle successful deliveries (auto ack; their claims completed already):
+        each acked and its slot freed here; where a settlement must be seen per
+        message (a telemetry listener, ordered mode's key gate, a RetryPolicy that
+        overrides decide) each goes through its delivery's sink instead."""
+        if not self.plain_acks or _obs.listener is not None:
+            for message in messages:
+                message.delivery.finish(message, None)
+            return
+        for message in messages:
+            if message.delivery.settle_quietly():
+                await self.ack(message)
 
     # -- the settlement -----------------------------------------------------------------
 
@@ -144,6 +177,20 @@ class AsyncSettling:
             self.reporter.settled(message, settled.counted, error)  # before the slot
             if self.flow.free(message, settled):
                 self.spawn_hand_back([message])
+
+    async def _settle_claimed(self, guard: BatchGuard, entry: Entry, message: Message,
+                              error: BaseException | None) -> None:
+        if entry.open:
+            try:
+                if error is None:
+                    await guard.afinish((entry,), ())
+                else:
+                    await guard.afinish((), (entry,))
+            except Exception:
+                self.log.exception("%s: finishing the idempotency claim of %s failed",
+                                   self.settler.name, message.id,
+                                   extra=self.settler.extra(message))
+        await self.settle(message, error)
 
     async def _ack_failed(self, message: Message, failure: Exception) -> None:
         """The ack of a success raised: settle it another way, count, free the slot."""
