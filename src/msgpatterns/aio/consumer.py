@@ -521,7 +521,7 @@ class AsyncConsumer(DriverBase):
                                         me)
         except asyncio.CancelledError:
             raise
-        except Exception:  # the worker survives whatever happens
+        except BaseException:  # the worker survives whatever happens
             log.exception("%s: running a batch failed", self.name)
 
     def _take_ready(self, first: Message) -> list[Message]:
