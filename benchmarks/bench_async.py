@@ -15,16 +15,24 @@ well under 100 sleeps per ms; the consumer adds the broker's fetch and ack and i
 bookkeeping per message on one core. CPU microseconds per message (process time) are
 printed for the consumer and the ceiling.
 
-    python benchmarks/bench_async.py [--messages N] [--repeats R]
+A second line compares the consumers with a strict ``@idempotent`` handler that does
+nothing else, on the real Redis (``--redis-url``; skipped when Redis is not reachable):
+AsyncConsumer with AsyncRedisChecker vs Consumer with RedisChecker, both claiming and
+completing the keys of a batch in one round trip each. Goal: at least 0.8x the sync
+consumer's rate.
+
+    python benchmarks/bench_async.py [--messages N] [--repeats R] [--redis-url URL]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 
 from _bench import bench_line, timed
 
@@ -104,11 +112,109 @@ def run_bare_waves(n: int) -> float:
     return timed(lambda: asyncio.run(waves()))
 
 
+async def timed_async(work: Awaitable[object]) -> float:
+    """Seconds ``await work`` takes."""
+    start = time.perf_counter()
+    await work
+    return time.perf_counter() - start
+
+
+def idempotent_runs(url: str, n: int) -> tuple[Callable[[], float], Callable[[], float],
+                                                Callable[[], None]]:
+    """(async run, sync run, cleanup): seconds each consumer takes for ``n`` new keys
+    through a strict ``@idempotent`` no-op handler on Redis (batches of 100)."""
+    import redis
+
+    from msgpatterns.idempotency import AsyncRedisChecker, RedisChecker, idempotent
+
+    namespace = f"bench-aio-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(url)
+    sync_checker = RedisChecker(client, namespace)
+    made = 0
+
+    def fresh() -> InMemoryBroker:
+        nonlocal made
+        broker = InMemoryBroker(record_history=False)
+        broker.publish_many("bench", [{"id": i} for i in range(made, made + n)])
+        broker.published.clear()
+        made += n
+        return broker
+
+    @idempotent(sync_checker, key=lambda m: m.body["id"], group="bench")
+    def handle(message: Message) -> None:
+        pass
+
+    def sync_run() -> float:
+        broker = fresh()
+        consumer = Consumer(broker, handle, topics=["bench"], group="g", workers=8,
+                            fetch_batch=100, max_in_flight=400)
+        elapsed = timed(lambda: consumer.run_until_idle(timeout=600))
+        assert len(broker.acked) == n, consumer.stats
+        return elapsed
+
+    async_checker = AsyncRedisChecker(url, namespace=namespace)  # serves loop after loop
+
+    @idempotent(async_checker, key=lambda m: m.body["id"], group="bench")
+    async def ahandle(message: Message) -> None:
+        pass
+
+    def async_run() -> float:
+        broker = AsyncInMemoryBroker(fresh())
+        consumer = AsyncConsumer(broker, ahandle, topics=["bench"], group="g",
+                                 fetch_batch=100, max_in_flight=400)
+
+        async def run() -> float:
+            return await timed_async(consumer.run_until_idle(600))
+
+        elapsed = asyncio.run(run())
+        assert len(broker.acked) == n
+        return elapsed
+
+    def cleanup() -> None:
+        asyncio.run(async_checker.aclose())
+        keys = list(client.scan_iter(match=f"{namespace}:*", count=10_000))
+        for start in range(0, len(keys), 10_000):
+            client.delete(*keys[start:start + 10_000])
+        sync_checker.close()
+
+    return async_run, sync_run, cleanup
+
+
+def idempotent_bench(url: str, n: int, repeats: int) -> None:
+    """The BENCH line of the consumers with a strict @idempotent handler on Redis."""
+    import redis
+
+    try:
+        redis.Redis.from_url(url).ping()
+    except redis.RedisError as exc:
+        print(f"# no Redis at {url} ({exc}): the @idempotent consumer line is skipped")
+        return
+    async_run, sync_run, cleanup = idempotent_runs(url, n)
+    try:
+        ours, base = [], []
+        for _ in range(repeats):  # alternate
+            ours.append(n / async_run())
+            base.append(n / sync_run())
+    finally:
+        cleanup()
+    mine, theirs = statistics.median(ours), statistics.median(base)
+    print(f"AsyncConsumer + async @idempotent (AsyncRedisChecker): {mine:10.0f} msg/s")
+    print(f"Consumer + @idempotent (RedisChecker), 8 workers:      {theirs:10.0f} msg/s")
+    bench_line("async_consumer_idempotent", "messages_per_second", mine, theirs,
+               mine / theirs, goal=">= 0.8x the sync Consumer", met=mine / theirs >= 0.8,
+               messages=n, checker="AsyncRedisChecker vs RedisChecker, strict",
+               fetch_batch=100, max_in_flight=400, workers=8, statistic="median")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000,
                         help="messages per async run (the sync run gets a fifth)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--redis-url", default=os.environ.get(
+        "MSGPATTERNS_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--keys", type=int, default=5000,
+                        help="messages per @idempotent consumer run")
     args = parser.parse_args()
     n_async, n_sync = args.messages, max(1, args.messages // 5)
     rates: dict[str, list[float]] = {"async": [], "sync": [], "ceiling": [], "waves": []}
@@ -147,6 +253,7 @@ def main() -> None:
                median_ratio=round(median["async"] / median["sync"], 3),
                cpu_us_per_message=round(cpu_async, 1),
                ceiling_cpu_us_per_sleep=round(cpu_ceiling, 1))
+    idempotent_bench(args.redis_url, args.keys, args.repeats)
 
 
 if __name__ == "__main__":

@@ -497,14 +497,24 @@ class AsyncConsumer(DriverBase):
                     finishing.discard(me)
 
     async def _decode_and_call(self, message: Message) -> None:
+        malformed = await self._decode(message)
+        if malformed is not None:
+            raise malformed
+        await self.handler(message)
+
+    async def _decode(self, message: Message) -> MalformedMessage | None:
+        """Decode ``message.body`` (the decoder may be an ``async def``); the error
+        that settles it instead when the body cannot be decoded."""
         decoder = self.decoder
         assert decoder is not None
         try:
             body = decoder(message.raw_body)
             message.body = await body if self._async_decoder else body
         except Exception as exc:
-            raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
-        await self.handler(message)
+            malformed = MalformedMessage(f"cannot decode body: {describe(exc)}")
+            malformed.__cause__ = exc
+            return malformed
+        return None
 
     # -- batch claims of an async @idempotent handler ---------------------------------
 
@@ -536,24 +546,20 @@ class AsyncConsumer(DriverBase):
     async def _intake(self, messages: list[Message]) -> list[Message]:
         """Start the deadlines and decode; the messages left to run (not handed back,
         decodable; a malformed one is settled here)."""
-        deadlines, decoder = self._deadlines, self.decoder
-        live: list[Message] = []
-        for message in messages:
-            if message.acked:
-                continue  # handed back by stop() before it could run
-            if deadlines is not None:
-                deadlines.track(message)
-            if decoder is not None:
-                try:
-                    body = decoder(message.raw_body)
-                    message.body = await body if self._async_decoder else body
-                except Exception as exc:
-                    error = MalformedMessage(f"cannot decode body: {describe(exc)}")
-                    error.__cause__ = exc
-                    await self._settle_unrun(message, error)
-                    continue
-            live.append(message)
-        return live
+        live = [message for message in messages if not message.acked]
+        if self._deadlines is not None:
+            for message in live:
+                self._deadlines.track(message)
+        if self.decoder is None:
+            return live
+        decoded: list[Message] = []
+        for message in live:
+            malformed = await self._decode(message)
+            if malformed is None:
+                decoded.append(message)
+            else:
+                await self._settle_unrun(message, malformed)
+        return decoded
 
     async def _settle_unrun(self, message: Message, error: BaseException | None) -> None:
         """Settle a message whose handler does not run (a duplicate: success; a key in
