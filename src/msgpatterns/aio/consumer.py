@@ -387,14 +387,18 @@ class AsyncConsumer(DriverBase):
             message.delivery.bind(sink)
         self._flow.admit(messages)
 
+    def _may_top_up(self) -> bool:
+        """Running, and enough slots free for a worker's own fetch."""
+        return (self._flow.state is State.RUNNING
+                and self.max_in_flight - len(self._flow.slots) >= self._top_up_min)
+
     async def _top_up(self) -> None:
         """A worker found nothing ready: when enough slots are free and no fetch is
         running, fetch without waiting (``timeout=0``) right here - the messages are
         then taken without waking the fetch loop and idle workers first. A fetch that
         returns after the stop began is handed back."""
         flow = self._flow
-        if (flow.fetching or self._state is not State.RUNNING
-                or self.max_in_flight - len(flow.slots) < self._top_up_min):
+        if flow.fetching or not self._may_top_up():
             return
         flow.fetching = True
         try:
@@ -454,7 +458,7 @@ class AsyncConsumer(DriverBase):
         handler = self.handler if self.decoder is None else self._decode_and_call
         deadlines, guard = self._deadlines, self._guard
         while True:
-            if not ready:
+            if not ready and not flow.fetching and self._may_top_up():
                 finishing.add(me)  # a fetch is not cancelled: what it brings is handed back
                 try:
                     await self._top_up()
