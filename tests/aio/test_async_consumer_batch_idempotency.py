@@ -439,3 +439,25 @@ async def test_a_key_in_progress_in_a_batch_is_not_run(store: Store) -> None:
     assert sorted(ran) == ["o-1", "o-2"]
     assert [d.error_type.rsplit(".", 1)[-1] for d in broker.dead_letters] == [
         InProgress.__name__]
+
+
+@pytest.mark.parametrize("kind", ["fakeredis", "sqlite"])
+async def test_fast_mode_queues_the_batch_completions_behind(kind: str,
+                                                             tmp_path: Path) -> None:
+    """With ``write_behind`` the batch's completions are queued (acked at once) and
+    written within that interval; the keys are DONE once flushed."""
+    broker = AsyncInMemoryBroker()
+    ids = await publish(broker, 6)
+    async with store_for(kind, tmp_path, write_behind=0.05) as made:
+        trips = RoundTrips(made.checker)
+
+        @idempotent(made.checker, group=GROUP)
+        async def handle(message: Message) -> None:
+            await asyncio.sleep(0)
+
+        await consume(broker, handle, fetch_batch=6)
+        assert_all_acked(broker)
+        await made.checker.aflush()
+        assert trips.calls["claim_many"] == 1
+        assert trips.calls["complete_many"] >= 1 and trips.keys["complete_many"] == 6
+        assert {made.status(key) for key in ids} == {Status.DONE}
