@@ -57,7 +57,7 @@ from msgpatterns.retry import RetryPolicy
 from msgpatterns.runtime.async_flow import AsyncFlow
 from msgpatterns.runtime.async_settling import AsyncSettling
 from msgpatterns.runtime.clock import LoopTimer, VirtualClock
-from msgpatterns.runtime.driver import DriverBase
+from msgpatterns.runtime.driver import DriverBase, ack_deadline_passed
 from msgpatterns.runtime.gate import KeyGate
 from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
@@ -73,6 +73,10 @@ AsyncHandler = Callable[[Message], Any]
 #: The AsyncConsumer whose handler task this is (stop() there only requests the stop).
 _own_task: contextvars.ContextVar[AsyncConsumer | None] = contextvars.ContextVar(
     "msgpatterns_async_consumer", default=None)
+
+def _no_count(counts: object, message: object) -> None:
+    """The asyncio driver reports no counts to a telemetry listener (yet)."""
+
 
 class AsyncConsumer(DriverBase):
     """Runs ``await handler(message)`` for every message of ``topics`` in ``group``.
@@ -188,7 +192,10 @@ class AsyncConsumer(DriverBase):
         gate = KeyGate() if self.ordered else None
         self._flow.reset(loop, self._retry_clock(self._timer, self._until_idle), gate)
         self._deadlines = (
-            DeadlineTracker(self._timer, self.ack_timeout, self._deadline)
+            DeadlineTracker(self._timer, self.ack_timeout, partial(
+                ack_deadline_passed, ack_timeout=self.ack_timeout,
+                handler_name=self.handler_name, stats=self.stats, count=_no_count,
+                log=log, settler=self._settler))
             if self.ack_timeout > 0 else None)
         self._settling.reset(loop, self._deadlines,
                              plain_acks=gate is None and self._plain_decide)
