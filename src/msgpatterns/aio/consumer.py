@@ -388,11 +388,11 @@ class AsyncConsumer(DriverBase):
                     self._request_stop()
                     return
 
-    def _admit(self, messages: list[Message]) -> None:
+    def _admit(self, messages: list[Message], *, taker: bool = False) -> None:
         sink = self._settling.on_settled
         for message in messages:
             message.delivery.bind(sink)
-        self._flow.admit(messages)
+        self._flow.admit(messages, taker=taker)
 
     def _may_top_up(self) -> bool:
         """Running, and enough slots free for a worker's own fetch."""
@@ -417,7 +417,7 @@ class AsyncConsumer(DriverBase):
         if self._state is not State.RUNNING:
             await self._settling.hand_back(messages)
         elif messages:
-            self._admit(messages)
+            self._admit(messages, taker=True)
 
     async def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:

@@ -75,8 +75,10 @@ class AsyncFlow:
 
     # -- in: fetched messages, retries now due -----------------------------------------
 
-    def admit(self, messages: list[Message]) -> None:
-        """Fetched ``messages`` take a slot each; each runs now or waits behind its key."""
+    def admit(self, messages: list[Message], *, taker: bool = False) -> None:
+        """Fetched ``messages`` take a slot each; each runs now or waits behind its key.
+        ``taker``: the caller is a worker that takes the first ready one itself (one
+        idle worker fewer is woken)."""
         self.stats.fetched += len(messages)
         self.slots.take(messages)
         gate = self.gate
@@ -84,7 +86,7 @@ class AsyncFlow:
             self.ready.extend(messages)
         else:
             self.ready.extend(m for m in messages if gate.admit(m))
-        self._wake_workers()
+        self._wake_workers(1 if taker else 0)
 
     def push(self, message: Message) -> None:
         """``message`` may run now (a retry, the key's next message)."""
@@ -135,10 +137,10 @@ class AsyncFlow:
             await waiter
         return ready.popleft()
 
-    def _wake_workers(self) -> None:
-        """Wake as many idle workers as there are ready messages."""
+    def _wake_workers(self, taken: int = 0) -> None:
+        """Wake as many idle workers as there are ready messages (but ``taken``)."""
         idle = self._idle
-        for _ in range(min(len(idle), len(self.ready))):
+        for _ in range(min(len(idle), len(self.ready) - taken)):
             _wake(idle.popleft())
 
     def wake_all(self) -> None:
