@@ -6,7 +6,11 @@ runtime: every outcome goes through the same settler (:meth:`RetryPolicy.decide`
 broker operations -> counts, awaited here with
 :func:`~msgpatterns.runtime.settler.run_async`); the slots, the retry scheduler and its
 clock, the idle driver and ordered mode's key gate are the thread driver's own.
-Only the waiting differs: tasks and ``asyncio`` timers instead of threads and a wheel.
+Only the waiting differs: ``max_in_flight`` long-lived worker coroutines pulling from
+a ready queue (:mod:`msgpatterns.runtime.async_flow`) and ``asyncio`` timers instead
+of threads and a wheel. Data flows one way: fetch -> worker runs the handler ->
+the delivery's sink (:mod:`msgpatterns.runtime.async_settling`) -> settler -> broker
+-> the freed slot; no delivery, retry timer or deadline calls back into the consumer.
 
 Guarantees:
 
@@ -21,6 +25,11 @@ Guarantees:
   never left hanging.
 * Ordered mode: a key's messages run one at a time in delivery order; a message being
   retried holds its key (its later messages wait; other keys go on).
+* Batch claims: an async ``@idempotent`` handler on a lease checker has the keys of a
+  batch of ready messages claimed in one store round trip and completed in one, DONE
+  written before the acks (:class:`~msgpatterns.idempotency.batch.BatchGuard`, shared
+  with the thread driver); duplicates and keys in progress are settled without
+  running it.
 * ``await stop(timeout)``: no fetch starts; in-flight work may finish until
   ``timeout``; then every message still unsettled is handed back to the broker and the
   handler tasks still running are cancelled and awaited. When it returns no handler of
