@@ -163,6 +163,13 @@ async def consume(broker: AsyncInMemoryBroker, handler: Any,
     return consumer
 
 
+def ack_then_fail(first: Message, second: Message) -> None:
+    """Settle two parked messages from a foreign thread: the first acked, the second
+    failed (its claim is released and it is retried)."""
+    first.ack()
+    second.ack(ConnectionError("write failed"))
+
+
 def assert_all_acked(broker: AsyncInMemoryBroker) -> None:
     assert broker.pending == 0
     assert not broker.dead_letters
@@ -328,15 +335,12 @@ async def test_explicit_ack_completes_the_claim_when_the_message_is_acked(
     @idempotent(store.checker, group=GROUP)
     async def handle(message: Message) -> None:
         effects.record(message.id)
-        if message.id in ("o-1", "o-3") and message.attempt == 1:
-            message.disable_auto_ack()
-            parked.append(message)
-            if len(parked) == 2:  # acked later, from another thread
-                threading.Thread(target=finish_parked).start()
-
-    def finish_parked() -> None:
-        parked[0].ack()
-        parked[1].ack(ConnectionError("write failed"))  # released, retried
+        if message.attempt > 1 or message.id not in ("o-1", "o-3"):
+            return
+        message.disable_auto_ack()
+        parked.append(message)
+        if len(parked) == 2:  # both parked: settled later, from another thread
+            threading.Thread(target=ack_then_fail, args=parked).start()
 
     await consume(broker, handle, retry=QUICK, fetch_batch=6)
     assert Counter(effects.order) == Counter({**dict.fromkeys(ids, 1), "o-3": 2})
