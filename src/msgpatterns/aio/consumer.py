@@ -6,7 +6,11 @@ runtime: every outcome goes through the same settler (:meth:`RetryPolicy.decide`
 broker operations -> counts, awaited here with
 :func:`~msgpatterns.runtime.settler.run_async`); the slots, the retry scheduler and its
 clock, the idle driver and ordered mode's key gate are the thread driver's own.
-Only the waiting differs: tasks and ``asyncio`` timers instead of threads and a wheel.
+Only the waiting differs: ``max_in_flight`` long-lived worker coroutines pulling from
+a ready queue (:mod:`msgpatterns.runtime.async_flow`) and ``asyncio`` timers instead
+of threads and a wheel. Data flows one way: fetch -> worker runs the handler ->
+the delivery's sink (:mod:`msgpatterns.runtime.async_settling`) -> settler -> broker
+-> the freed slot; no delivery, retry timer or deadline calls back into the consumer.
 
 Guarantees:
 
@@ -21,6 +25,11 @@ Guarantees:
   never left hanging.
 * Ordered mode: a key's messages run one at a time in delivery order; a message being
   retried holds its key (its later messages wait; other keys go on).
+* Batch claims: an async ``@idempotent`` handler on a lease checker has the keys of a
+  batch of ready messages claimed in one store round trip and completed in one, DONE
+  written before the acks (:class:`~msgpatterns.idempotency.batch.BatchGuard`, shared
+  with the thread driver); duplicates and keys in progress are settled without
+  running it.
 * ``await stop(timeout)``: no fetch starts; in-flight work may finish until
   ``timeout``; then every message still unsettled is handed back to the broker and the
   handler tasks still running are cancelled and awaited. When it returns no handler of
@@ -35,10 +44,10 @@ import contextvars
 import inspect
 import logging
 import signal
-import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 from msgpatterns._callables import is_async_callable, require_async_callable
 from msgpatterns.aio.base import AsyncBroker
@@ -51,17 +60,18 @@ from msgpatterns.errors import (
     describe,
     seconds,
 )
+from msgpatterns.idempotency.batch import BatchGuard, Entry, guard_of
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
+from msgpatterns.runtime.async_flow import AsyncFlow
+from msgpatterns.runtime.async_settling import AsyncSettling
 from msgpatterns.runtime.clock import LoopTimer, VirtualClock
-from msgpatterns.runtime.driver import DriverBase
-from msgpatterns.runtime.flow import Slots
+from msgpatterns.runtime.driver import DriverBase, ack_deadline_passed
 from msgpatterns.runtime.gate import KeyGate
 from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
-from msgpatterns.runtime.scheduler import RetryScheduler
-from msgpatterns.runtime.settler import Settled, run_async
-from msgpatterns.runtime.stats import ConsumerStats
+from msgpatterns.runtime.rounds import Claimed, Round
+from msgpatterns.runtime.stats import ConsumerStats, Reporter
 
 __all__ = ["AsyncConsumer", "AsyncHandler"]
 
@@ -72,6 +82,10 @@ AsyncHandler = Callable[[Message], Any]
 #: The AsyncConsumer whose handler task this is (stop() there only requests the stop).
 _own_task: contextvars.ContextVar[AsyncConsumer | None] = contextvars.ContextVar(
     "msgpatterns_async_consumer", default=None)
+
+def _no_count(counts: object, message: object) -> None:
+    """The asyncio driver reports no counts to a telemetry listener (yet)."""
+
 
 class AsyncConsumer(DriverBase):
     """Runs ``await handler(message)`` for every message of ``topics`` in ``group``.
@@ -135,31 +149,42 @@ class AsyncConsumer(DriverBase):
             ack_timeout=ack_timeout, decoder=decoder, dead_letters=dead_letters,
             poll_timeout=poll_timeout, shutdown_timeout=shutdown_timeout,
             fetch_batch=fetch_batch, name=name, default_name=f"msgpatterns-async-{group}",
-            counts={}, rebind=self._on_settle, log=log)
+            counts={}, log=log)
         self.handler = handler
         self._async_decoder = decoder is not None and is_async_callable(decoder)
+        #: The batch claims of an async @idempotent handler on a lease checker (None:
+        #: plain, or one transaction per message).
+        self._guard: BatchGuard | None = guard_of(handler)
+        #: A RetryPolicy whose decide() is overridden sees every success too.
+        self._plain_decide = type(self.retry).decide is RetryPolicy.decide
+        #: Fewest free slots for which a worker fetches itself (see _top_up).
+        self._top_up_min = max(1, min(fetch_batch, max_in_flight) // 4)
 
-        self._state = State.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0
         self._timer: LoopTimer | None = None  # ack deadlines and retry timers
         self._deadlines: DeadlineTracker[Message] | None = None  # ack deadlines
-        self._running: set[asyncio.Task[None]] = set()  # handler tasks
-        self._settling: set[asyncio.Task[None]] = set()
-        self._finishing: set[asyncio.Task[Any]] = set()  # handler tasks now settling
+        self._workers: list[asyncio.Task[None]] = []
+        self._finishing: set[asyncio.Task[Any]] = set()  # workers now settling
         self._fetcher: asyncio.Task[None] | None = None
-        self._changed: asyncio.Event | None = None
         self._stop_requested: asyncio.Event | None = None
         self._stopping: asyncio.Lock | None = None
         self._until_idle = False
-        self._gate: KeyGate | None = None
-        #: Delayed retries and the slots (made per start(): on the loop, or virtual).
-        self._scheduler: RetryScheduler[Message] = RetryScheduler(
-            VirtualClock(None, broker.now), self._retry_due)
-        self._slots = Slots(self.stats, None, self._scheduler)
-        # The settlement the task running handler_finished() awaits itself (no task).
-        self._inline: Message | None = None
-        self._inline_outcome: tuple[BaseException | None] | None = None
+        #: The slots, the ready queue, the retry scheduler and the wake-ups.
+        self._flow = AsyncFlow(self.stats, VirtualClock(None, broker.now))
+        #: Where deliveries report their outcome (settler -> broker -> freed slot).
+        self._settling = AsyncSettling(
+            broker=broker, settler=self._settler, flow=self._flow,
+            dead_letters=dead_letters, reporter=Reporter(self), log=log)
+        self._settler.rebind = self._settling.on_settled
+
+    @property
+    def _state(self) -> State:
+        """The lifecycle state (kept by the flow)."""
+        return self._flow.state
+
+    @_state.setter
+    def _state(self, state: State) -> None:
+        self._flow.state = state
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -169,20 +194,24 @@ class AsyncConsumer(DriverBase):
             return
         if self._state is State.STOPPING:
             raise RuntimeError("the consumer is stopping")
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        self._changed = asyncio.Event()
+        loop = self._loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
         self._stopping = asyncio.Lock()
-        self._timer = LoopTimer(self._loop)
-        self._gate = KeyGate() if self.ordered else None
-        self._scheduler = RetryScheduler(self._retry_clock(self._timer, self._until_idle),
-                                         self._retry_due)
-        self._slots = Slots(self.stats, self._gate, self._scheduler)
+        self._timer = LoopTimer(loop)
+        gate = KeyGate() if self.ordered else None
+        self._flow.reset(loop, self._retry_clock(self._timer, self._until_idle), gate)
         self._deadlines = (
-            DeadlineTracker(self._timer, self.ack_timeout, self._deadline)
+            DeadlineTracker(self._timer, self.ack_timeout, partial(
+                ack_deadline_passed, ack_timeout=self.ack_timeout,
+                handler_name=self.handler_name, stats=self.stats, count=_no_count,
+                log=log, settler=self._settler))
             if self.ack_timeout > 0 else None)
+        self._settling.reset(loop, self._deadlines,
+                             plain_acks=gate is None and self._plain_decide)
         self._state = State.RUNNING
+        # One long-lived worker per slot: never more handlers run than messages held.
+        self._workers = [asyncio.create_task(self._work(), name=f"{self.name}-worker-{i}")
+                         for i in range(self.max_in_flight)]
         self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"{self.name}-fetch")
         self._fetcher.add_done_callback(self._fetcher_ended)
 
@@ -224,39 +253,43 @@ class AsyncConsumer(DriverBase):
         if self._state in (State.NEW, State.STOPPED):
             self._state = State.STOPPED
             return True
+        flow = self._flow
         self._state = State.STOPPING
-        self._notify()
+        flow.notify()
         fetcher = self._fetcher
         if fetcher is not None:
             await asyncio.wait([fetcher])  # bounded by poll_timeout; hands back its fetch
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._drained(), limit)
-        leftovers = list(self._slots.held)
-        self._scheduler.clear()
+        leftovers = list(flow.slots.held)
+        flow.scheduler.clear()
         for message in leftovers:
             message.delivery.expire(message, Released("consumer stopped"))
         self._state = State.STOPPED
-        for task in list(self._running):
+        for task in self._workers:
             if task not in self._finishing:  # a settlement in progress is let finish
                 task.cancel()
-        while self._running or self._settling:
-            await asyncio.wait(list(self._running | self._settling))
+        flow.wake_all()
+        pending = self._settling.tasks
+        while pending or self._workers:
+            await asyncio.wait([*self._workers, *pending])
+            self._workers = [task for task in self._workers if not task.done()]
         if self._timer is not None:
             self._timer.stop()
-        self._scheduler.clear()
+        flow.scheduler.clear()
         assert self._stop_requested is not None
         self._stop_requested.set()
         return not leftovers
 
     async def _drained(self) -> None:
-        while self._slots:
-            await self._wait_change()
+        while self._flow.slots:
+            await self._flow.wait_change()
 
     def _request_stop(self) -> None:
         """Ask for a stop without waiting (from a handler, or a signal)."""
         if self._state is State.RUNNING:
             self._state = State.STOPPING
-            self._notify()
+            self._flow.notify()
         if self._stop_requested is not None:
             self._stop_requested.set()
 
@@ -313,7 +346,7 @@ class AsyncConsumer(DriverBase):
     @property
     def in_flight(self) -> int:
         """Messages fetched and not yet settled."""
-        return len(self._slots)
+        return len(self._flow.slots)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("%s: signal %s, shutting down", self.name, sig.name)
@@ -322,58 +355,78 @@ class AsyncConsumer(DriverBase):
 
     # -- fetching -------------------------------------------------------------------
 
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-
-    async def _wait_change(self, timeout: float | None = None) -> None:
-        """Wait until something changed since the event was last cleared."""
-        changed = self._changed
-        assert changed is not None
-        if not changed.is_set():
-            if timeout is None:
-                await changed.wait()
-            else:
-                try:
-                    await asyncio.wait_for(changed.wait(), timeout)
-                except TimeoutError:
-                    return
-        changed.clear()
-
     async def _fetch_loop(self) -> None:
-        """Fetch while slots are free, start what may run, and (until idle) move
-        virtual time when nothing can; exits when the consumer stops."""
+        """Fetch while slots are free (the workers take what may run), and (until
+        idle) move virtual time when nothing can; exits when the consumer stops."""
+        flow = self._flow
+        slots = flow.slots
         while self._state is State.RUNNING:
-            free = self.max_in_flight - len(self._slots)
+            free = self.max_in_flight - len(slots)
             if free <= 0:
-                # Full: only a held retry coming due can free a slot.
-                if not (self._until_idle and self._slots.nothing_active()
+                # Full: only a settlement, or a held retry coming due, frees a slot.
+                if not (self._until_idle and slots.nothing_active()
                         and self._jump(can_fetch=False)):
-                    await self._wait_change(self.poll_timeout)
+                    await flow.wait_change(self.poll_timeout)
+                continue
+            if flow.fetching:  # a worker is topping up (see _top_up)
+                await flow.wait_change(self.poll_timeout)
                 continue
             until_idle = self._until_idle
-            generation = self._slots.settled
-            messages = await self._fetch(min(free, self.fetch_batch),
-                                         0.0 if until_idle else None)
+            generation = slots.settled
+            flow.fetching = True
+            try:
+                messages = await self._fetch(min(free, self.fetch_batch),
+                                             0.0 if until_idle else None)
+            finally:
+                flow.fetching = False
             if self._state is not State.RUNNING:
-                await self._hand_back(messages)
+                await self._settling.hand_back(messages)
                 return
             if messages:
-                self.stats.fetched += len(messages)
-                for message in messages:
-                    self._admit(message)
+                self._admit(messages)
                 continue
             if not until_idle:
                 continue
-            if not self._slots.nothing_active():
-                if self._slots.settled == generation:
-                    await self._wait_change(self.poll_timeout)
+            if not slots.nothing_active():
+                if slots.settled == generation:
+                    await flow.wait_change(self.poll_timeout)
             elif not self._jump(can_fetch=True):
-                if self._slots:  # retries due later in real time
-                    await self._wait_change(self.poll_timeout)
+                if slots:  # retries due later in real time
+                    await flow.wait_change(self.poll_timeout)
                 else:
                     self._request_stop()
                     return
+
+    def _admit(self, messages: list[Message], *, taker: bool = False) -> None:
+        sink = self._settling.on_settled
+        for message in messages:
+            message.delivery.bind(sink)
+        self._flow.admit(messages, taker=taker)
+
+    def _may_top_up(self) -> bool:
+        """Running, and enough slots free for a worker's own fetch."""
+        return (self._flow.state is State.RUNNING
+                and self.max_in_flight - len(self._flow.slots) >= self._top_up_min)
+
+    async def _top_up(self) -> None:
+        """A worker found nothing ready: when enough slots are free and no fetch is
+        running, fetch without waiting (``timeout=0``) right here - the messages are
+        then taken without waking the fetch loop and idle workers first. A fetch that
+        returns after the stop began is handed back."""
+        flow = self._flow
+        if flow.fetching or not self._may_top_up():
+            return
+        flow.fetching = True
+        try:
+            messages = await self._fetch(
+                min(self.max_in_flight - len(flow.slots), self.fetch_batch), 0.0)
+        finally:
+            flow.fetching = False
+            flow.notify()
+        if self._state is not State.RUNNING:
+            await self._settling.hand_back(messages)
+        elif messages:
+            self._admit(messages, taker=True)
 
     async def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
@@ -391,139 +444,222 @@ class AsyncConsumer(DriverBase):
             await asyncio.sleep(min(self.poll_timeout, 1.0))
             return []
 
-    async def _hand_back(self, messages: list[Message], *, fetched: bool = True) -> None:
-        """Nack ``messages`` unprocessed (a fetch that returned after the stop began,
-        or a retry copy made after it)."""
-        if fetched:
-            self.stats.fetched += len(messages)
-        errors = await run_async(self._settler.hand_back(messages), self.broker, None)
-        self.stats.released += len(messages) - errors
-        self.stats.broker_errors += errors
-
-    def _admit(self, message: Message) -> None:
-        """A fetched message takes a slot, then runs now or waits behind its key."""
-        message.delivery.bind(self._on_settle)
-        self._slots.take((message,))
-        if self._gate is None or self._gate.admit(message):
-            self._spawn(message)
-
-    def _spawn(self, message: Message) -> None:
-        task = asyncio.create_task(self._execute(message))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
-
     def _jump(self, *, can_fetch: bool) -> bool:
         """Nothing active: move virtual time to the next moment something can run
         (:func:`msgpatterns.runtime.idle.jump`) and start the retries now due. True
         when progress became possible."""
-        moved = jump_or_none(self.broker, self.topics, self.group, self._scheduler,
+        flow = self._flow
+        moved = jump_or_none(self.broker, self.topics, self.group, flow.scheduler,
                              can_fetch=can_fetch, stats=self.stats, count=self._count,
                              log=log, name=self.name)
         if moved is None:
             return False
         fetchable, due = moved
         for message in due:
-            self._spawn(message)
+            flow.push(message)
         if due:
-            self._notify()
+            flow.notify()
         return bool(due) or fetchable
 
-    def _retry_due(self, message: Message) -> None:
-        """A retry's timer fired (on the loop): run it."""
-        if self._scheduler.take(message) and self._state is not State.STOPPED:
-            self._spawn(message)
-        self._notify()
+    # -- the workers ------------------------------------------------------------------
 
-    # -- one delivery ---------------------------------------------------------------
-
-    async def _execute(self, message: Message) -> None:
-        """Run the handler on ``message`` and settle it; the settlement of its own
-        outcome is awaited here, not in a new task."""
+    async def _work(self) -> None:
+        """One worker: run the ready messages one after another until the run stops;
+        the settlement of each handler's own outcome is awaited here, not in a task."""
         _own_task.set(self)
-        if message.acked:
-            return  # handed back by stop() before it could run
-        if self._deadlines is not None:
-            self._deadlines.track(message)
-        error: BaseException | None = None
-        try:
-            await self._call_handler(message)
-        except asyncio.CancelledError as exc:
-            if self._state is State.STOPPED:
-                raise  # stop() cancelled it; its message was handed back
-            error = exc  # the handler's own cancellation fails the message
-        except BaseException as exc:  # SystemExit & co fail the message, not the loop
-            error = exc
-        self._inline, self._inline_outcome = message, None
-        try:
-            message.delivery.finish(message, error)
-        finally:
-            outcome, self._inline, self._inline_outcome = self._inline_outcome, None, None
-        if outcome is not None:
-            task = asyncio.current_task()
-            assert task is not None
-            self._finishing.add(task)
+        me = asyncio.current_task()
+        assert me is not None
+        flow, settling, finishing = self._flow, self._settling, self._finishing
+        ready = flow.ready
+        handler = self.handler if self.decoder is None else self._decode_and_call
+        deadlines, guard = self._deadlines, self._guard
+        while True:
+            if not ready and not flow.fetching and self._may_top_up():
+                finishing.add(me)  # a fetch is not cancelled: what it brings is handed back
+                try:
+                    await self._top_up()
+                finally:
+                    finishing.discard(me)
+            item = ready.popleft() if ready else await flow.next()
+            if item is None or self._state is State.STOPPED:
+                return
+            if guard is not None:
+                await self._batched(guard, item, me)
+                continue
+            message = cast(Message, item)
+            if message.acked:
+                continue  # handed back by stop() before it could run
+            if deadlines is not None:
+                deadlines.track(message)
+            error: BaseException | None = None
             try:
-                await self._settle(message, outcome[0])
-            finally:
-                self._finishing.discard(task)
+                await handler(message)
+            except asyncio.CancelledError as exc:
+                if flow.state is State.STOPPED:
+                    raise  # stop() cancelled it; its message was handed back
+                error = exc  # the handler's own cancellation fails the message
+            except BaseException as exc:  # SystemExit & co fail the message, not the loop
+                error = exc
+            if error is None and settling.quick_ack(message):
+                # The hot path: a success settled here, without the delivery's sink.
+                finishing.add(me)
+                try:
+                    await settling.ack(message)
+                finally:
+                    finishing.discard(me)
+                continue
+            outcome = settling.finish(message, error)
+            if outcome is not None:
+                finishing.add(me)
+                try:
+                    await settling.settle(message, outcome[0])
+                finally:
+                    finishing.discard(me)
 
-    async def _call_handler(self, message: Message) -> None:
-        decoder = self.decoder
-        if decoder is not None:
-            try:
-                body = decoder(message.raw_body)
-                message.body = await body if self._async_decoder else body
-            except Exception as exc:
-                raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
+    async def _decode_and_call(self, message: Message) -> None:
+        malformed = await self._decode(message)
+        if malformed is not None:
+            raise malformed
         await self.handler(message)
 
-    def _on_settle(self, message: Message, error: BaseException | None) -> None:
-        """Message callback (once per delivery, on any thread): carry out the
-        settlement on the loop."""
-        if threading.get_ident() != self._loop_thread:
-            loop = self._loop
-            assert loop is not None
-            try:
-                loop.call_soon_threadsafe(self._start_settling, message, error)
-            except RuntimeError:  # the loop is closed: stop() handed it back already
-                log.warning("%s: late settlement of %s after the loop closed", self.name,
-                            message.id)
-            return
-        if self._inline is message:
-            self._inline_outcome = (error,)
-            return
-        self._start_settling(message, error)
-
-    def _start_settling(self, message: Message, error: BaseException | None) -> None:
-        task = asyncio.create_task(self._settle(message, error))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
-    async def _settle(self, message: Message, error: BaseException | None) -> None:
-        """Carry out the settler's settlement (awaiting its broker operations); whatever
-        fails, the delivery is settled another way and its slot freed."""
-        if self._deadlines is not None:
-            self._deadlines.untrack(message)
-        settled = Settled(["broker_errors"])
+    async def _decode(self, message: Message) -> MalformedMessage | None:
+        """Decode ``message.body`` (the decoder may be an ``async def``); the error
+        that settles it instead when the body cannot be decoded."""
+        decoder = self.decoder
+        assert decoder is not None
         try:
-            settled = await run_async(self._settler.settle(message, error), self.broker,
-                                      self.dead_letters)
+            body = decoder(message.raw_body)
+            message.body = await body if self._async_decoder else body
+        except Exception as exc:
+            malformed = MalformedMessage(f"cannot decode body: {describe(exc)}")
+            malformed.__cause__ = exc
+            return malformed
+        return None
+
+    # -- batch claims of an async @idempotent handler ---------------------------------
+
+    async def _batched(self, guard: BatchGuard, item: Message | Claimed,
+                       me: asyncio.Task[Any]) -> None:
+        """A worker's item when the handler's keys are claimed per batch: a claimed
+        message of a round (run it), or a ready message (it and the ready messages
+        after it make a new round: one claim round trip)."""
+        try:
+            if isinstance(item, Claimed):
+                await self._run_claimed(item.guard, item.batch, item.entry, me)
+            else:
+                await self._claim_round(guard, await self._intake(self._take_ready(item)),
+                                        me)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:  # the worker survives whatever happens
+            log.exception("%s: running a batch failed", self.name)
+
+    def _take_ready(self, first: Message) -> list[Message]:
+        """``first`` and the ready messages after it (not claimed ones), up to
+        ``fetch_batch``."""
+        chunk = [first]
+        ready = self._flow.ready
+        while len(chunk) < self.fetch_batch and ready and not isinstance(ready[0], Claimed):
+            chunk.append(cast(Message, ready.popleft()))
+        return chunk
+
+    async def _intake(self, messages: list[Message]) -> list[Message]:
+        """Start the deadlines and decode; the messages left to run (not handed back,
+        decodable; a malformed one is settled here)."""
+        live = [message for message in messages if not message.acked]
+        if self._deadlines is not None:
+            for message in live:
+                self._deadlines.track(message)
+        if self.decoder is None:
+            return live
+        decoded: list[Message] = []
+        for message in live:
+            malformed = await self._decode(message)
+            if malformed is None:
+                decoded.append(message)
+            else:
+                await self._settle_unrun(message, malformed)
+        return decoded
+
+    async def _settle_unrun(self, message: Message, error: BaseException | None) -> None:
+        """Settle a message whose handler does not run (a duplicate: success; a key in
+        progress, a missing key, a malformed body: ``error``)."""
+        outcome = self._settling.finish(message, error)
+        if outcome is not None:
+            await self._settling.settle(message, outcome[0])
+
+    async def _claim_round(self, guard: BatchGuard, live: list[Message],
+                           me: asyncio.Task[Any]) -> None:
+        """One claim round trip for ``live``; settle those whose handler does not run,
+        share the claimed ones out to the workers (this one runs the first). A claimed
+        message completes or releases its claim before it is settled, whoever settles
+        it (:meth:`AsyncSettling.on_claimed_settled`)."""
+        if not live:
+            return
+        self._finishing.add(me)  # a claim in progress is not cancelled by stop()
+        try:
+            entries = await guard.aprepare(live)
         finally:
-            self._release(message, settled)
+            self._finishing.discard(me)
+        runs: list[Entry] = []
+        later: list[Message] = []
+        for entry in entries:
+            if entry.later:
+                later.append(entry.message)
+            elif not entry.run:
+                await self._settle_unrun(entry.message, entry.error)
+            else:
+                if entry.claim is not None:
+                    entry.message.delivery.bind(
+                        partial(self._settling.on_claimed_settled, guard, entry))
+                runs.append(entry)
+        if not runs:
+            return
+        batch = Round(len(runs), later, None)
+        if len(runs) > 1:
+            self._flow.push_claimed([Claimed(guard, batch, entry) for entry in runs[1:]])
+        await self._run_claimed(guard, batch, runs[0], me)
 
-    def _release(self, message: Message, settled: Settled) -> None:
-        """Free the slot, or give it to the retry copy (now, or scheduled); in ordered
-        mode the key's next message may run."""
-        run, give_back = self._slots.free(message, settled,
-                                          stopped=self._state is State.STOPPED)
-        if give_back:
-            self._start_hand_back(message)
-        if run is not None and self._state is not State.STOPPED:
-            self._spawn(run)
-        self._notify()
+    async def _run_claimed(self, guard: BatchGuard, batch: Round, entry: Entry,
+                           me: asyncio.Task[Any]) -> None:
+        """Run one claimed message's handler; the round's last finisher completes it."""
+        message = entry.message
+        if message.acked:  # handed back or expired before it ran: its claim is released
+            last = batch.add(None, None)
+        else:
+            error: BaseException | None = None
+            try:
+                entry.result = await guard.handler(message)
+            except asyncio.CancelledError as exc:
+                if self._flow.state is State.STOPPED:
+                    raise  # stop() cancelled it; its message was handed back
+                error = exc
+            except BaseException as exc:  # SystemExit & co fail the message, not the loop
+                error = exc
+            if error is None and (message.acked or not message.auto_ack):
+                # Settled by the handler, or awaiting its explicit ack: its claim is
+                # finished when it is settled (AsyncSettling.on_claimed_settled).
+                last = batch.add(None, None)
+            else:
+                last = batch.add(entry, error)
+        if last:
+            await self._finish_round(guard, batch, me)
 
-    def _start_hand_back(self, message: Message) -> None:
-        task = asyncio.create_task(self._hand_back([message], fetched=False))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
+    async def _finish_round(self, guard: BatchGuard, batch: Round,
+                            me: asyncio.Task[Any]) -> None:
+        """Complete what returned (one round trip), release what raised (one), then
+        settle: the acks go out after DONE is written."""
+        self._finishing.add(me)
+        try:
+            try:
+                await guard.afinish(batch.returned, [entry for entry, _ in batch.raised])
+            except Exception:  # a closed checker...: the effects happened; settle anyway
+                log.exception("%s: completing a batch of idempotency claims failed",
+                              self.name)
+            for entry, error in batch.raised:
+                entry.message.delivery.finish(entry.message, error)
+            await self._settling.ack_all([entry.message for entry in batch.returned])
+        finally:
+            self._finishing.discard(me)
+        if batch.later:  # repeats of keys this round held: duplicates now (or runs)
+            await self._claim_round(guard, [m for m in batch.later if not m.acked], me)

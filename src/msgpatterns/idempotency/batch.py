@@ -29,16 +29,27 @@ again (at-least-once), exactly as for one message - the window is the batch's ru
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from msgpatterns.errors import ConfigurationError, StoreUnavailable
-from msgpatterns.idempotency.base import NO_RESULT, LeaseChecker
-from msgpatterns.idempotency.guard import refuse_unavailable, skip_or_raise, with_result
+from msgpatterns.idempotency.base import NO_RESULT, AsyncLeaseChecker, LeaseChecker
+from msgpatterns.idempotency.guard import (
+    adrive,
+    claim_many_steps,
+    complete_steps,
+    refuse_unavailable,
+    release_steps,
+    skip_or_raise,
+    with_result,
+)
 from msgpatterns.idempotency.records import Claim, Status
 from msgpatterns.message import Message
+
+log = logging.getLogger("msgpatterns.idempotency")
 
 __all__ = ["GUARD_ATTRIBUTE", "BatchGuard", "Entry", "guard_of"]
 
@@ -83,7 +94,9 @@ class BatchGuard:
                  store_result: bool, max_result_bytes: int) -> None:
         #: False for a checker without batch claims (TransactionalSqlChecker, a custom
         #: Checker): its handlers run one message at a time, through the decorator.
-        self.batchable = isinstance(checker, LeaseChecker)
+        self.batchable = isinstance(checker, LeaseChecker | AsyncLeaseChecker)
+        #: A LeaseChecker (sync handlers, and MemoryChecker for both) or an
+        #: AsyncLeaseChecker (``async def`` handlers: :meth:`aprepare`, :meth:`afinish`).
         self.checker: LeaseChecker = checker
         self.handler = handler
         self.wrapper = wrapper
@@ -99,34 +112,56 @@ class BatchGuard:
         """One entry per message, in order, after ONE claim round trip for all of them
         (none when every key was found locally or could not be computed). Never raises
         for a message: its error is in its entry."""
-        entries: list[Entry] = []
-        keys: list[str] = []
-        prints: list[str | None] = []
-        asked: list[Entry] = []
+        plan = self._plan(messages)
+        try:
+            claims = self.checker.claim_stored(plan.keys, plan.prints) if plan.keys else []
+        except Exception as exc:
+            return self._refused(plan, exc)
+        return self._decide(plan, claims)
+
+    async def aprepare(self, messages: Sequence[Message]) -> list[Entry]:
+        """:meth:`prepare` for an ``async def`` handler: the one claim round trip is
+        awaited on the async checker (a MemoryChecker answers in process)."""
+        plan = self._plan(messages)
+        try:
+            claims = await _aclaim(self.checker, plan.keys, plan.prints)
+        except Exception as exc:
+            return self._refused(plan, exc)
+        return self._decide(plan, claims)
+
+    def _plan(self, messages: Sequence[Message]) -> _Plan:
+        """Each message's key and fingerprint (an error in its entry when it has none):
+        what the claim round trip asks for."""
+        plan = _Plan([], [], [], [])
         for message in messages:
             try:
                 key, fingerprint = self._identify(message)
             except Exception as exc:  # MissingIdempotencyKey, MalformedMessage, ...
-                entries.append(Entry(message, False, error=exc))
+                plan.entries.append(Entry(message, False, error=exc))
                 continue
             entry = Entry(message, True)
-            entries.append(entry)
-            asked.append(entry)
-            keys.append(key)
-            prints.append(fingerprint)
-        if not asked:
-            return entries
-        try:
-            claims = self.checker.claim_stored(keys, prints)
-        except StoreUnavailable as exc:
-            self._unavailable(asked, keys, exc)
-            return entries
-        except Exception as exc:  # a closed checker, a store bug: fail, never skip dedup
-            for entry in asked:
-                entry.run, entry.error = False, exc
-            return entries
+            plan.entries.append(entry)
+            plan.asked.append(entry)
+            plan.keys.append(key)
+            plan.prints.append(fingerprint)
+        return plan
+
+    def _refused(self, plan: _Plan, error: Exception) -> list[Entry]:
+        """The claim round trip raised: rule 6 for an unreachable store; any other
+        failure (a closed checker, a store bug) fails the messages, never skips dedup."""
+        if isinstance(error, StoreUnavailable):
+            self._unavailable(plan.asked, plan.keys, error)
+        else:
+            for entry in plan.asked:
+                entry.run, entry.error = False, error
+        return plan.entries
+
+    def _decide(self, plan: _Plan, claims: Sequence[Claim]) -> list[Entry]:
+        """Each message's entry from its claim: run it (claimed), prepare it again
+        after this batch (held by an earlier message of the batch), or settle it
+        without running (rules 4 and 5: a duplicate, a key in progress, a conflict)."""
         mine: set[str] = set()  # keys this batch claimed
-        for entry, claim in zip(asked, claims, strict=True):
+        for entry, claim in zip(plan.asked, claims, strict=True):
             if claim.token is not None:
                 entry.claim, entry.open = claim, True
                 mine.add(claim.key)
@@ -141,7 +176,7 @@ class BatchGuard:
                     self._on_duplicate(entry.message)
             except Exception as exc:
                 entry.error = exc
-        return entries
+        return plan.entries
 
     def _unavailable(self, entries: list[Entry], keys: list[str],
                      error: StoreUnavailable) -> None:
@@ -167,14 +202,26 @@ class BatchGuard:
         their results under ``store_result``), then rule 3 for those whose handler
         raised (one ``release_many``). Entries finished already are skipped. Never
         raises for a store failure (it is logged: see the module's failure window)."""
+        done, failed = self._to_finish(returned, raised)
+        self.checker.complete_ran(done)
+        self.checker.release_failed(failed)
+
+    async def afinish(self, returned: Sequence[Entry], raised: Sequence[Entry]) -> None:
+        """:meth:`finish` for an ``async def`` handler, the round trips awaited."""
+        done, failed = self._to_finish(returned, raised)
+        await _acomplete(self.checker, done)
+        await _arelease(self.checker, failed)
+
+    def _to_finish(self, returned: Sequence[Entry],
+                   raised: Sequence[Entry]) -> tuple[list[Claim], list[Claim]]:
+        """The claims to complete (with their results) and to release, taken."""
         done = [entry.claim for entry in self.take(returned) if entry.claim is not None]
         failed = [entry.claim for entry in self.take(raised) if entry.claim is not None]
         if done and self.store_result:
             results = {id(entry.claim): entry.result for entry in returned}
             done = [with_result(claim, results.get(id(claim)), self.checker.stats,
                                 self._max_result_bytes) for claim in done]
-        self.checker.complete_ran(done)
-        self.checker.release_failed(failed)
+        return done, failed
 
     def __repr__(self) -> str:
         return f"BatchGuard({self.checker!r}, group={self.group!r})"
@@ -211,3 +258,68 @@ def guard_of(handler: object, *, batch: bool = False) -> BatchGuard | None:
     if batch:
         raise ConfigurationError(f"batch handler {guard.group}: {problem}")
     return None
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One batch's entries, and the claim round trip to make for those it asks about
+    (``asked``, with their store ``keys`` and fingerprints ``prints``)."""
+
+    entries: list[Entry]
+    asked: list[Entry]
+    keys: list[str]
+    prints: list[str | None]
+
+
+# -- the async checkers' batch I/O (MemoryChecker, in process, answers synchronously) --------
+
+
+def _no_run(tx: Any) -> Any:
+    raise AssertionError("these steps run no handler")
+
+
+async def _aclaim(checker: Any, keys: list[str], prints: list[str | None]) -> list[Claim]:
+    """Rule 1 for many keys in one awaited ``claim_many`` round trip (see
+    :meth:`LeaseChecker.claim_stored`)."""
+    if not keys:
+        return []
+    if isinstance(checker, LeaseChecker):
+        return checker.claim_stored(keys, prints)
+    checker._check_open()
+    claims: list[Claim] = await adrive(claim_many_steps(checker.rules, keys, prints),
+                                       checker._aperform, _no_run)
+    return claims
+
+
+async def _acomplete(checker: Any, claims: list[Claim]) -> None:
+    """Rule 2 for many handlers that returned (see :meth:`LeaseChecker.complete_ran`):
+    one awaited ``complete_many``, or queued behind with ``write_behind``."""
+    if isinstance(checker, LeaseChecker):
+        checker.complete_ran(claims)
+        return
+    if checker.write_behind is not None:
+        behind = checker._async_behind()
+        claims = [claim for claim in claims if not await behind.add(claim)]
+    await _awrite(checker, complete_steps, claims, "completing")
+
+
+async def _arelease(checker: Any, claims: list[Claim]) -> None:
+    """Rule 3 for many handlers that raised: one awaited ``release_many``."""
+    if isinstance(checker, LeaseChecker):
+        checker.release_failed(claims)
+        return
+    await _awrite(checker, release_steps, claims, "releasing")
+
+
+async def _awrite(checker: Any, steps: Callable[..., Any], claims: list[Claim],
+                  what: str) -> None:
+    """One awaited write round trip for ``claims``; a store that stays unreachable is
+    logged, not raised (the leases expire: see the module's failure window)."""
+    if not claims:
+        return
+    try:
+        checker._check_open()
+        await adrive(steps(checker.rules, claims), checker._aperform, _no_run)
+    except StoreUnavailable as exc:
+        log.error("%s %d idempotency key(s) failed (%s); their leases expire and the "
+                  "messages may run again", what, len(claims), exc)

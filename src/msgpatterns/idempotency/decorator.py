@@ -343,6 +343,15 @@ def idempotent(
                 return outcome.result
             return on_duplicate(*args, **kwargs) if on_duplicate is not None else None
 
+        def guarded_by(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+            """How a runtime running many messages at once finds the rules (batch
+            claims), for the sync and the async wrapper alike."""
+            setattr(wrapper, GUARD_ATTRIBUTE, BatchGuard(
+                checker=checker, handler=fn, wrapper=wrapper, group=name, identify=stored,
+                on_duplicate=on_duplicate, fail_open=fail_open, store_result=store_result,
+                max_result_bytes=max_result_bytes))
+            return wrapper
+
         options: dict[str, Any] = {"group": name, "fail_open": fail_open,
                                    "store_result": store_result,
                                    "max_result_bytes": max_result_bytes}
@@ -357,7 +366,7 @@ def idempotent(
                                                  fingerprint=prints, **options)
                 return outcome_of(outcome, args, kwargs)
 
-            return awrapper
+            return guarded_by(awrapper)
         sync = cast("Checker", checker)
 
         @functools.wraps(fn)
@@ -366,11 +375,6 @@ def idempotent(
             outcome = sync.execute(raw, call_of(args, kwargs), fingerprint=prints, **options)
             return outcome_of(outcome, args, kwargs)
 
-        # How a runtime running many messages at once finds the rules (batch claims).
-        setattr(wrapper, GUARD_ATTRIBUTE, BatchGuard(
-            checker=checker, handler=fn, wrapper=wrapper, group=name, identify=stored,
-            on_duplicate=on_duplicate, fail_open=fail_open, store_result=store_result,
-            max_result_bytes=max_result_bytes))
-        return wrapper
+        return guarded_by(wrapper)
 
     return decorate

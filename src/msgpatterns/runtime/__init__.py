@@ -11,6 +11,8 @@ runs, its outcome goes to the :mod:`.settler` (``RetryPolicy.decide`` -> broker 
 
 * :mod:`.fetcher` - the thread driver's fetching, flow control and ready queue.
 * :mod:`.settling` - where the thread driver's deliveries report their outcome.
+* :mod:`.async_flow` - the asyncio driver's slots, ready queue and wake-ups.
+* :mod:`.async_settling` - where the asyncio driver's deliveries report their outcome.
 * :mod:`.gate` - ordered mode: one message per key at a time, in delivery order.
 * :mod:`.clock` - real or virtual time for delayed retries; the asyncio timer.
 * :mod:`.scheduler` - delayed retries on that clock (timers stopped with the consumer).

@@ -22,7 +22,7 @@ from msgpatterns.runtime.settler import Settler
 from msgpatterns.runtime.stats import ConsumerStats
 from msgpatterns.timer import Timer
 
-__all__ = ["DriverBase"]
+__all__ = ["DriverBase", "ack_deadline_passed"]
 
 
 class DriverBase:
@@ -96,12 +96,22 @@ class DriverBase:
 
     def _deadline(self, message: Message) -> None:
         """The ack deadline of ``message`` passed: fail the delivery (AckTimeout)."""
-        error = AckTimeout(
-            f"message {message.id} not acked within {self.ack_timeout:g}s "
-            f"by handler {self.handler_name}"
-        )
-        if message.delivery.expire(message, error):
-            self.stats.ack_timeouts += 1
-            self._count({"ack_timeouts": 1}, message)
-            self._log.warning("%s; failing the delivery", error,
-                              extra=self._settler.extra(message))
+        ack_deadline_passed(message, self.ack_timeout, self.handler_name, self.stats,
+                            self._count, self._log, self._settler)
+
+
+def ack_deadline_passed(message: Message, ack_timeout: float, handler_name: str,
+                        stats: ConsumerStats,
+                        count: Callable[[Mapping[str, int], Message], object],
+                        log: logging.Logger, settler: Settler) -> None:
+    """The ack deadline of ``message`` passed: fail the delivery with
+    :class:`~msgpatterns.errors.AckTimeout` (counted, logged) unless it was settled
+    already. Both drivers' deadline trackers end here (the asyncio driver binds it
+    with :func:`functools.partial`, so the timer never calls into the consumer)."""
+    error = AckTimeout(
+        f"message {message.id} not acked within {ack_timeout:g}s by handler {handler_name}"
+    )
+    if message.delivery.expire(message, error):
+        stats.ack_timeouts += 1
+        count({"ack_timeouts": 1}, message)
+        log.warning("%s; failing the delivery", error, extra=settler.extra(message))
