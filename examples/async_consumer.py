@@ -57,7 +57,7 @@ async def main() -> None:
           f"(one thread per call in turn would take {ORDERS * 0.05:.0f}s)")
     print(f"charged {len(calls)} orders; redelivered {stats.redelivered}; "
           f"{sum(calls.values()) - len(calls)} runs were at-least-once duplicates "
-          f"(async @idempotent is planned: see docs/asyncio.md)")
+          f"(examples/async_idempotent.py makes each effect happen once)")
     print(f"dead letter: {poison.message.key} after {poison.attempts} attempt(s): "
           f"{poison.reason}")
     assert len(calls) == ORDERS - 1 and broker.pending == 0
