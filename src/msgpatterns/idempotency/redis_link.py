@@ -86,12 +86,21 @@ class AsyncRedisLink:
         self._pool = pool
         self._free: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # One deadline per command (send and reply together) instead of redis-py's own
+        # per-step timeouts: with a socket_timeout it wraps every send in a task of its
+        # own (asyncio.wait_for) and every read in a timer, twice the cost of the
+        # round trip's bookkeeping. The link's connections are built without it.
+        kwargs = dict(pool.connection_kwargs) if self._direct else {}
+        self._timeout: float | None = kwargs.get("socket_timeout")
+        kwargs["socket_timeout"] = None
+        self._kwargs = kwargs
 
     async def call(self, *args: Any) -> Any:
         """Send one command and return its reply (error replies raise)."""
         if not self._direct:
             return await self.client.execute_command(*args)
         from redis.exceptions import ResponseError
+        from redis.exceptions import TimeoutError as RedisTimeout
 
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # connections belong to the loop that opened them
@@ -101,14 +110,24 @@ class AsyncRedisLink:
             conn = free.pop()
         else:
             assert self._pool is not None
-            conn = self._pool.connection_class(**self._pool.connection_kwargs)
+            conn = self._pool.connection_class(**self._kwargs)
             await conn.connect()
         try:
-            await conn.send_command(*args)
-            reply = await conn.read_response()
+            if self._timeout is None:
+                await conn.send_command(*args)
+                reply = await conn.read_response()
+            else:
+                async with asyncio.timeout(self._timeout):
+                    await conn.send_command(*args)
+                    reply = await conn.read_response()
         except ResponseError:
             free.append(conn)  # the server answered: the connection is in step
             raise
+        except TimeoutError as error:  # the deadline passed: the reply may still come
+            await conn.disconnect(nowait=True)
+            if isinstance(error, RedisTimeout):
+                raise
+            raise RedisTimeout(f"Timeout after {self._timeout}s talking to Redis") from None
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
