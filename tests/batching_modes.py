@@ -81,6 +81,10 @@ class Batching:
     def __init__(self, mode: Mode, portal: BlockingPortal | None = None) -> None:
         self.mode, self.portal = mode, portal
 
+    def __call__(self, kind: Kind, processor: Callable[[Any], object], **options: Any) -> Any:
+        """Same as :meth:`make`."""
+        return self.make(kind, processor, **options)
+
     def make(
         self,
         kind: Kind,
