@@ -111,11 +111,11 @@ class SqlSide:
         assert self.aengine is not None
         return self.portal.wrap_async_context_manager(self.aengine.connect())
 
-    def execute(self, conn: Any, statement: Any) -> Any:
-        """``conn.execute(statement)`` (awaited on the async side)."""
+    def execute(self, conn: Any, statement: Any, parameters: Any = None) -> Any:
+        """``conn.execute(statement, parameters)`` (awaited on the async side)."""
         if self.portal is None:
-            return conn.execute(statement)
-        return self.portal.call(conn.execute, statement)
+            return conn.execute(statement, parameters)
+        return self.portal.call(conn.execute, statement, parameters)
 
     def commit(self, conn: Any) -> None:
         """Commit ``conn``'s transaction (from :meth:`connect`)."""
