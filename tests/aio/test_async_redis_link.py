@@ -1,14 +1,19 @@
-"""AsyncRedisLink's deadline: one per command (send and reply together), on the link's
-own connections; a command past it raises redis-py's TimeoutError (a transient error
-to the checker's policy) and drops its connection, so a late reply is never read as
-the answer to the next command."""
+"""AsyncRedisLink: commands over the link's own connections (opened by redis-py, the
+replies read by hiredis). One deadline per command (send and reply together): past
+the client's socket_timeout it raises redis-py's TimeoutError (transient to the
+checker's policy). A connection whose command failed mid-way (timeout, connection
+lost, cancelled) is dropped, so a late reply is never read as the answer to the next
+command; an error reply keeps it."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from msgpatterns.idempotency.redis_link import AsyncRedisLink
@@ -17,30 +22,95 @@ from msgpatterns.idempotency.redis_store import redis_transient
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
 
-async def test_a_command_past_the_socket_timeout_raises_and_drops_its_connection() -> None:
-    silent = asyncio.Event()  # set once the server has swallowed a command unanswered
-
+async def fake_server(on_ping: Callable[[asyncio.StreamWriter], None],
+                      reached: asyncio.Event) -> asyncio.Server:
+    """A server answering +OK to the handshake's commands; at PING it sets ``reached``
+    and does ``on_ping(writer)`` instead of answering."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(65536):
-            if b"PING" in data:  # the handshake's other commands are answered +OK
-                silent.set()
+            if b"PING" in data:
+                reached.set()
+                on_ping(writer)
                 continue
-            writer.write(b"+OK\r\n" * data.count(b"\r\n*"))
-            writer.write(b"+OK\r\n" if data.startswith(b"*") else b"")
+            writer.write(b"+OK\r\n" * (data.count(b"\r\n*") + data.startswith(b"*")))
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+@pytest.fixture
+async def silent() -> AsyncIterator[tuple[str, asyncio.Event]]:
+    """The URL of a server that never answers PING, and the event it sets then."""
+    reached = asyncio.Event()
+    server = await fake_server(lambda writer: None, reached)
     port = server.sockets[0].getsockname()[1]
-    client = redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{port}/0?socket_timeout=0.2")
+    yield f"redis://127.0.0.1:{port}/0?socket_timeout=0.2", reached
+    server.close()
+
+
+async def test_a_command_past_the_socket_timeout_raises_and_drops_its_connection(
+    silent: tuple[str, asyncio.Event],
+) -> None:
+    url, reached = silent
+    client = redis.asyncio.Redis.from_url(url)
+    link = AsyncRedisLink(client)
+    with pytest.raises(RedisTimeout) as caught:
+        await link.call("PING")
+    assert reached.is_set()
+    assert isinstance(caught.value, redis_transient(redis))
+    assert link._free == []  # the connection that missed its reply is gone
+    await link.aclose()
+    await client.aclose()
+
+
+async def test_a_cancelled_command_drops_its_connection(
+    silent: tuple[str, asyncio.Event],
+) -> None:
+    url, reached = silent
+    client = redis.asyncio.Redis.from_url(url)
+    link = AsyncRedisLink(client)
+    call = asyncio.ensure_future(link.call("PING"))
+    await reached.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert link._free == []
+    await link.aclose()
+    await client.aclose()
+
+
+async def test_a_connection_lost_mid_command_is_a_transient_error_and_dropped() -> None:
+    reached = asyncio.Event()
+    server = await fake_server(lambda writer: writer.transport.abort(), reached)
+    port = server.sockets[0].getsockname()[1]
+    client = redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{port}/0?socket_timeout=5")
     link = AsyncRedisLink(client)
     try:
-        with pytest.raises(RedisTimeout) as caught:
+        with pytest.raises(RedisConnectionError) as caught:
             await link.call("PING")
-        assert silent.is_set()
         assert isinstance(caught.value, redis_transient(redis))
-        assert link._free == []  # the connection that missed its reply is gone
+        assert link._free == []
     finally:
         await link.aclose()
         await client.aclose()
         server.close()
-        await server.wait_closed()
+
+
+@pytest.mark.parametrize("decode", [False, True])
+async def test_replies_and_error_replies_as_redis_py_gives_them(
+    redis_url: str, unique: str, decode: bool
+) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url, decode_responses=decode)
+    link = AsyncRedisLink(client)
+    key = f"asyncsuites:link:{unique}"
+    try:
+        assert await link.call("SET", key, "é", "PX", 60_000) in (b"OK", "OK", True)
+        assert await link.call("GET", key) == ("é" if decode else "é".encode())
+        with pytest.raises(ResponseError, match="unknown command"):
+            await link.call("NO-SUCH-COMMAND")
+        assert len(link._free) == 1  # the server answered: the connection is kept
+        assert await link.call("DEL", key) == 1
+        assert len(link._free) == 1
+    finally:
+        await link.aclose()
+        await client.aclose()
