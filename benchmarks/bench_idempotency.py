@@ -380,7 +380,9 @@ def async_vs_sync(url: str, n: int, repeats: int) -> None:
 
     client = redis.Redis.from_url(url)
     keys = Keys()
-    sync_checker = RedisChecker(client, namespace="bench")
+    # Both checkers built the same way, from the URL: the same timeouts, retries and
+    # connection setup on either side (only the I/O model differs).
+    sync_checker = RedisChecker(url, namespace="bench")
     loop = asyncio.new_event_loop()
     try:
         from msgpatterns.idempotency import AsyncRedisChecker

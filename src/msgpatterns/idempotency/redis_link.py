@@ -141,8 +141,9 @@ class AsyncRedisLink:
     other pools go through ``execute_command``."""
 
     def __init__(self, client: Any) -> None:
+        from redis._parsers import BaseParser  # how redis-py types error replies
         from redis.asyncio.connection import ConnectionPool
-        from redis.connection import BaseParser, HiredisRespSerializer
+        from redis.connection import HiredisRespSerializer
         from redis.exceptions import InvalidResponse
         from redis.utils import HIREDIS_AVAILABLE
 
@@ -154,7 +155,7 @@ class AsyncRedisLink:
         self._loop: asyncio.AbstractEventLoop | None = None
         # The link's connections are built without socket_timeout: redis-py would wrap
         # every send in a task of its own (asyncio.wait_for) and every read in a timer.
-        kwargs = dict(pool.connection_kwargs) if self._direct else {}
+        kwargs = dict(pool.connection_kwargs) if pool is not None and self._direct else {}
         self._timeout: float | None = kwargs.get("socket_timeout")
         kwargs["socket_timeout"] = None
         self._kwargs = kwargs
