@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis.asyncio
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import DataError, NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from msgpatterns.idempotency.redis_link import AsyncRedisLink
@@ -111,6 +111,8 @@ async def test_replies_and_error_replies_as_redis_py_gives_them(
         assert len(link._free) == 1  # the server answered: the connection is kept
         with pytest.raises(NoScriptError):  # typed as redis-py types it: the store reloads
             await link.call("EVALSHA", "0" * 40, 0)
+        with pytest.raises(DataError):  # what redis-py refuses to send, refused
+            await link.call("GET", object())
         assert await link.call("DEL", key) == 1
         assert len(link._free) == 1
     finally:

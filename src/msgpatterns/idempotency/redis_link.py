@@ -143,8 +143,7 @@ class AsyncRedisLink:
     def __init__(self, client: Any) -> None:
         from redis._parsers import BaseParser  # how redis-py types error replies
         from redis.asyncio.connection import ConnectionPool
-        from redis.connection import HiredisRespSerializer
-        from redis.exceptions import InvalidResponse
+        from redis.exceptions import InvalidResponse, ResponseError
         from redis.utils import HIREDIS_AVAILABLE
 
         self.client = client
@@ -160,12 +159,16 @@ class AsyncRedisLink:
         kwargs["socket_timeout"] = None
         self._kwargs = kwargs
         self._busy: set[_Wire] = set()
+        self._response_error = ResponseError
         self._watch: asyncio.TimerHandle | None = None
-        # Commands packed and replies parsed as the sync client does: by hiredis.
-        self._pack: Callable[..., list[bytes]] | None = None
+        # With hiredis, commands are packed and replies parsed by it, as the sync client
+        # does (the caller passes each word of a command as an argument of its own).
+        self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
         self._reader_options: dict[str, Any] | None = None
         if HIREDIS_AVAILABLE:
-            self._pack = HiredisRespSerializer().pack
+            import hiredis
+
+            self._pack = hiredis.pack_command
             self._reader_options = {"protocolError": InvalidResponse,
                                     "replyError": BaseParser.parse_error,
                                     "notEnoughData": _INCOMPLETE}
@@ -199,11 +202,16 @@ class AsyncRedisLink:
 
     async def _send(self, loop: asyncio.AbstractEventLoop, wire: _Wire,
                     args: tuple[Any, ...]) -> Any:
-        from redis.exceptions import ResponseError
-
         assert self._pack is not None
+        try:
+            packed = self._pack(args)
+        except TypeError as error:  # a value redis-py would not send either
+            from redis.exceptions import DataError
+
+            self._free.append(wire)  # nothing was sent
+            raise DataError(str(error)) from None
         wire.waiter = waiter = loop.create_future()
-        wire.transport.writelines(self._pack(*args))
+        wire.transport.write(packed)
         if self._timeout is not None:
             wire.deadline = loop.time() + self._timeout
             self._busy.add(wire)
@@ -216,12 +224,13 @@ class AsyncRedisLink:
             raise
         finally:
             self._busy.discard(wire)
-        if isinstance(reply, Exception) and not isinstance(reply, ResponseError):
-            await wire.drop()  # e.g. LOADING: redis-py drops the connection too
+        if isinstance(reply, Exception):
+            if not isinstance(reply, self._response_error):
+                await wire.drop()  # e.g. LOADING: redis-py drops the connection too
+                raise reply
+            self._free.append(wire)  # the server answered: the connection is in step
             raise reply
-        self._free.append(wire)  # the server answered: the connection is in step
-        if isinstance(reply, ResponseError):
-            raise reply
+        self._free.append(wire)
         return reply
 
     def _check_deadlines(self) -> None:
@@ -241,7 +250,7 @@ class AsyncRedisLink:
         from redis.exceptions import ResponseError
         from redis.exceptions import TimeoutError as RedisTimeout
 
-        packed = conn.pack_command(*args) if self._pack is None else self._pack(*args)
+        packed = conn.pack_command(*args)
         try:
             if self._timeout is None:
                 await conn.send_packed_command(packed)
