@@ -39,44 +39,41 @@ async def fake_server(on_ping: Callable[[asyncio.StreamWriter], None],
 
 
 @pytest.fixture
-async def silent() -> AsyncIterator[tuple[str, asyncio.Event]]:
-    """The URL of a server that never answers PING, and the event it sets then."""
+async def silent() -> AsyncIterator[tuple[AsyncRedisLink, asyncio.Event]]:
+    """A link to a server that never answers PING (socket_timeout 0.2 s), and the
+    event the server sets when PING has reached it."""
     reached = asyncio.Event()
     server = await fake_server(lambda writer: None, reached)
     port = server.sockets[0].getsockname()[1]
-    yield f"redis://127.0.0.1:{port}/0?socket_timeout=0.2", reached
+    client = redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{port}/0?socket_timeout=0.2")
+    link = AsyncRedisLink(client)
+    yield link, reached
+    await link.aclose()
+    await client.aclose()
     server.close()
 
 
 async def test_a_command_past_the_socket_timeout_raises_and_drops_its_connection(
-    silent: tuple[str, asyncio.Event],
+    silent: tuple[AsyncRedisLink, asyncio.Event],
 ) -> None:
-    url, reached = silent
-    client = redis.asyncio.Redis.from_url(url)
-    link = AsyncRedisLink(client)
+    link, reached = silent
     with pytest.raises(RedisTimeout) as caught:
         await link.call("PING")
     assert reached.is_set()
     assert isinstance(caught.value, redis_transient(redis))
     assert link._free == []  # the connection that missed its reply is gone
-    await link.aclose()
-    await client.aclose()
 
 
 async def test_a_cancelled_command_drops_its_connection(
-    silent: tuple[str, asyncio.Event],
+    silent: tuple[AsyncRedisLink, asyncio.Event],
 ) -> None:
-    url, reached = silent
-    client = redis.asyncio.Redis.from_url(url)
-    link = AsyncRedisLink(client)
+    link, reached = silent
     call = asyncio.ensure_future(link.call("PING"))
     await reached.wait()
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     assert link._free == []
-    await link.aclose()
-    await client.aclose()
 
 
 async def test_a_connection_lost_mid_command_is_a_transient_error_and_dropped() -> None:
