@@ -26,7 +26,7 @@ same run. Every measurement alternates ours and the baseline over ``--repeats`` 
    per message, strict. Goal: >= 0.8x the sync rate.
 
     python benchmarks/bench_idempotency.py [--keys N] [--repeats R]
-        [--redis-url URL] [--postgres-url URL]
+        [--redis-url URL] [--postgres-url URL] [--only powertools|versions|async]
 """
 
 from __future__ import annotations
@@ -380,7 +380,9 @@ def async_vs_sync(url: str, n: int, repeats: int) -> None:
 
     client = redis.Redis.from_url(url)
     keys = Keys()
-    sync_checker = RedisChecker(client, namespace="bench")
+    # Both checkers built the same way, from the URL: the same timeouts, retries and
+    # connection setup on either side (only the I/O model differs).
+    sync_checker = RedisChecker(url, namespace="bench")
     loop = asyncio.new_event_loop()
     try:
         from msgpatterns.idempotency import AsyncRedisChecker
@@ -443,10 +445,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--redis-url", default=services.url("redis"))
     parser.add_argument("--postgres-url", default=services.url("postgres"))
-    parser.add_argument("--only", choices=["powertools", "versions"], default=None,
-                        help="only the comparisons with Powertools (4 and 5), or only "
-                        "the rows that compare versions (1, 2, 6, 7)")
+    parser.add_argument("--only", choices=["powertools", "versions", "async"], default=None,
+                        help="only the comparisons with Powertools (4 and 5), only "
+                        "the rows that compare versions (1, 2, 6, 7), or only the async "
+                        "one (7)")
     args = parser.parse_args()
+    if args.only == "async":
+        async_vs_sync(args.redis_url, args.keys, args.repeats)
+        return
     if args.only == "versions":
         redis_single(args.redis_url, args.keys, args.repeats)
         redis_batch(args.redis_url, args.keys * 4, args.repeats)

@@ -1,19 +1,42 @@
 """The seed's flow end to end: a handler disables auto ack and hands each message to a
 Flusher that writes batches and acks them; a failing batch is redelivered by the
-consumer's retry policy and in the end every message is written once and acked."""
+consumer's retry policy and in the end every message is written once and acked.
+
+Each test runs with the sync Flusher and with AsyncFlusher (its ``add`` awaited on an
+event loop the consumer's workers hand it to, its processor an ``async def``), one
+body behind batching_modes' face; the bulk insert goes through the sync Engine or an
+AsyncEngine (psycopg 3 async, aiosqlite, aiomysql) to match."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from msgpatterns import Backoff, Consumer, Flusher, InMemoryBroker, Message, RetryPolicy
+from batching_modes import MODES, Batching, batching
+from msgpatterns import Backoff, Consumer, InMemoryBroker, Message, RetryPolicy
 from msgpatterns.testing import EffectLog, assert_all_acked
+from ordering_db import SqlSide, engine_for, sql_side
 
 GUARD = 60.0  # only bounds a hang if the code under test is broken
 RETRY = RetryPolicy(backoff=Backoff.fixed(60.0))  # virtual time on the in-memory broker
+
+
+@pytest.fixture(params=MODES)
+def make(request: pytest.FixtureRequest) -> Iterator[Batching]:
+    """``make(kind, processor, **options)`` on the sync API or the async one."""
+    with batching(request.param) as modes:
+        yield modes
+
+
+@pytest.fixture
+def db(make: Batching, sql_url: str) -> Iterator[SqlSide]:
+    """The database through the API of ``make``'s mode."""
+    with engine_for(sql_url) as engine, sql_side(make.mode, engine) as side:
+        yield side
 
 
 class FailOnce:
@@ -31,7 +54,7 @@ class FailOnce:
         raise ConnectionError("database connection lost mid-batch")
 
 
-def consume_through(broker: InMemoryBroker, flusher: Flusher[Message]) -> Consumer:
+def consume_through(broker: InMemoryBroker, flusher: Any) -> Consumer:
     def handler(message: Message) -> None:
         message.disable_auto_ack()
         assert flusher.add(message, timeout=GUARD)
@@ -49,7 +72,7 @@ def publish_orders(broker: InMemoryBroker, count: int) -> list[str]:
 
 
 def test_flusher_with_explicit_ack_redelivers_a_failed_batch_until_all_are_written(
-    fake_broker: InMemoryBroker, effects: EffectLog
+    make: Batching, fake_broker: InMemoryBroker, effects: EffectLog
 ) -> None:
     keys = publish_orders(fake_broker, 200)
     fail_once = FailOnce()
@@ -59,7 +82,8 @@ def test_flusher_with_explicit_ack_redelivers_a_failed_batch_until_all_are_writt
         for message in batch:
             effects.record(message.key)
 
-    with Flusher("sink", 20, 0.005, 200, 2, write, ack_messages=True) as flusher:
+    with make("flusher", write, name="sink", batch_size=20, flush_interval=0.005,
+              queue_size=200, threads=2, ack_messages=True) as flusher:
         consumer = consume_through(fake_broker, flusher)
     assert fail_once.failed, "the failing batch never happened"
     assert flusher.counters.errors == 1
@@ -70,9 +94,9 @@ def test_flusher_with_explicit_ack_redelivers_a_failed_batch_until_all_are_writt
 
 
 def test_bulk_insert_through_a_flusher_rolls_back_and_redelivers_a_failed_batch(
-    fake_broker: InMemoryBroker, sql_url: str, unique: str
+    make: Batching, db: SqlSide, fake_broker: InMemoryBroker, unique: str
 ) -> None:
-    engine = sa.create_engine(sql_url)
+    engine = db.engine
     table = sa.Table(
         f"batching_orders_{unique}",
         sa.MetaData(),
@@ -85,11 +109,12 @@ def test_bulk_insert_through_a_flusher_rolls_back_and_redelivers_a_failed_batch(
         fail_once = FailOnce()
 
         def bulk_insert(batch: list[Message]) -> None:
-            with engine.begin() as conn:
-                conn.execute(table.insert(), [{"id": m.key, "body": m.body} for m in batch])
+            with db.begin() as conn:
+                db.execute(conn, table.insert(), [{"id": m.key, "body": m.body} for m in batch])
                 fail_once.check(batch)  # after the write: the transaction must roll back
 
-        with Flusher("db-sink", 50, 0.005, 300, 2, bulk_insert, ack_messages=True) as flusher:
+        with make("flusher", bulk_insert, name="db-sink", batch_size=50, flush_interval=0.005,
+                  queue_size=300, threads=2, ack_messages=True) as flusher:
             consume_through(fake_broker, flusher)
         with engine.connect() as conn:
             rows = conn.execute(sa.select(table.c.id)).scalars().all()
@@ -99,12 +124,11 @@ def test_bulk_insert_through_a_flusher_rolls_back_and_redelivers_a_failed_batch(
         assert_all_acked(fake_broker)
     finally:
         table.drop(engine)
-        engine.dispose()
 
 
 @pytest.mark.parametrize("capacity", [1, 7])
 def test_a_refused_add_fails_the_delivery_and_it_comes_back(
-    fake_broker: InMemoryBroker, effects: EffectLog, capacity: int
+    make: Batching, fake_broker: InMemoryBroker, effects: EffectLog, capacity: int
 ) -> None:
     """The seed's ``if not flusher.add(message): message.ack(error)``: a refused message
     is redelivered later and written then; nothing is stranded waiting for an ack."""
@@ -126,7 +150,8 @@ def test_a_refused_add_fails_the_delivery_and_it_comes_back(
     # writer can refuse one message many times in a row. The point is that every refusal
     # comes back, so the attempts are not what is tested here.
     patient = RetryPolicy(max_attempts=100_000, backoff=Backoff.fixed(60.0))
-    with Flusher("tiny", 1, 0.005, capacity, 1, write, ack_messages=True) as flusher:
+    with make("flusher", write, name="tiny", batch_size=1, flush_interval=0.005,
+              queue_size=capacity, threads=1, ack_messages=True) as flusher:
         consumer = Consumer(
             fake_broker, handler, topics=["orders"], group="sink", workers=2, retry=patient
         )

@@ -1,69 +1,41 @@
 """DESIGN 6: what BatchExecutor, Flusher and MultipleQueueFlusher share, each "Never"
 checked on all three: a worker survives its processor, close drains everything, add
-after close raises, capacity is exact; plus flush, close(timeout), counters, acks."""
+after close raises, capacity is exact; plus flush, close(timeout), counters, acks.
+
+Every test taking ``make`` runs on the sync helpers and on their async twins
+(AsyncBatchExecutor, AsyncFlusher, AsyncMultipleQueueFlusher: awaitable ``add``,
+``aclose``, ``async with``), one body behind batching_modes' sync face. Sync only:
+worker thread names, flush/close called from the processor and the constructors'
+checks (their async peers are in tests/aio/test_async_batching.py)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import pytest
 
-from msgpatterns import BatchExecutor, Flusher, Group, Message, MultipleQueueFlusher
-from msgpatterns.batching import BatchQueue
+from batching_modes import KINDS, MODES, Batching, Kind, batching, items_of
+from msgpatterns import BatchExecutor, Flusher, Message, MultipleQueueFlusher
 from msgpatterns.errors import ConfigurationError, QueueClosed
 
-Kind = Literal["executor", "flusher", "multiple"]
-KINDS: list[Kind] = ["executor", "flusher", "multiple"]
-CHANNELS = 3
-LONG = 3600.0  # a flush interval no test waits for
 GUARD = 30.0  # only bounds a hang if the code under test is broken
 
 
 NOT_CALLABLE: Any = "not a function"
+Make = Callable[..., Any]
+make_sync: Make = Batching("sync").make  # for what only the sync helpers have
 
 
-def items_of(batch: Any) -> list[Any]:
-    """The items of a batch, whether the processor got a list or a Group."""
-    return list(batch.items) if isinstance(batch, Group) else list(batch)
-
-
-def make(
-    kind: Kind,
-    processor: Callable[[list[Any]], object],
-    *,
-    name: str = "batcher",
-    batch_size: int = 10,
-    queue_size: int = 100,
-    threads: int = 2,
-    flush_interval: float = LONG,
-    ack_messages: bool = False,
-    on_error: Callable[[Exception, Any], object] | None = None,
-    route: Callable[[Any], int] = lambda item: hash(item) % CHANNELS,
-) -> BatchQueue[Any, Any]:
-    """One of the three helpers, its processor adapted to receive a plain list."""
-    if kind == "executor":
-        return BatchExecutor(
-            name, batch_size, processor, threads=threads, queue_size=queue_size,
-            ack_messages=ack_messages, on_error=on_error,
-        )
-    if kind == "flusher":
-        return Flusher(
-            name, batch_size, flush_interval, queue_size, threads, processor,
-            ack_messages=ack_messages, on_error=on_error,
-        )
-
-    def per_group(group: Group[Any]) -> object:
-        assert all(route(item) == group.index for item in group.items), group
-        return processor(group.items)
-
-    return MultipleQueueFlusher(
-        name, CHANNELS, queue_size, batch_size, flush_interval, threads, route, per_group,
-        ack_messages=ack_messages, on_error=on_error,
-    )
+@pytest.fixture(params=MODES)
+def make(request: pytest.FixtureRequest) -> Iterator[Make]:
+    """``make(kind, processor, **options)``: a helper of the sync API or of the async
+    one (behind the sync face, see batching_modes)."""
+    with batching(request.param) as modes:
+        yield modes.make
 
 
 class Recorder:
@@ -95,7 +67,7 @@ class Recorder:
             return [item for batch in self.batches for item in batch]
 
 
-def fill(helper: BatchQueue[Any, Any], items: Iterable[Any]) -> int:
+def fill(helper: Any, items: Iterable[Any]) -> int:
     """Add items without waiting until one is refused; returns how many were accepted."""
     accepted = 0
     for item in items:
@@ -106,7 +78,7 @@ def fill(helper: BatchQueue[Any, Any], items: Iterable[Any]) -> int:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_processor_exception_does_not_kill_the_worker(kind: Kind) -> None:
+def test_processor_exception_does_not_kill_the_worker(make: Make, kind: Kind) -> None:
     recorder = Recorder(fail_first=1)
     failures: list[tuple[Exception, list[Any]]] = []
     helper = make(
@@ -133,7 +105,9 @@ def test_processor_exception_does_not_kill_the_worker(kind: Kind) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_close_after_four_producers_processes_every_item_exactly_once(kind: Kind) -> None:
+def test_close_after_four_producers_processes_every_item_exactly_once(
+    make: Make, kind: Kind
+) -> None:
     recorder = Recorder()
     helper = make(kind, recorder, batch_size=50, queue_size=300)
     start = threading.Barrier(4)
@@ -162,7 +136,7 @@ def test_close_after_four_producers_processes_every_item_exactly_once(kind: Kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_add_after_close_raises_and_accepts_nothing(kind: Kind) -> None:
+def test_add_after_close_raises_and_accepts_nothing(make: Make, kind: Kind) -> None:
     recorder = Recorder()
     helper = make(kind, recorder)
     assert helper.add(1)
@@ -177,7 +151,7 @@ def test_add_after_close_raises_and_accepts_nothing(kind: Kind) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_capacity_with_a_blocked_processor_is_exactly_queue_size(kind: Kind) -> None:
+def test_capacity_with_a_blocked_processor_is_exactly_queue_size(make: Make, kind: Kind) -> None:
     recorder = Recorder(gated=True)
     # Everything to channel 1: MultipleQueueFlusher's queue_size is per channel.
     helper = make(kind, recorder, batch_size=7, queue_size=50, route=lambda item: 1)
@@ -191,17 +165,18 @@ def test_capacity_with_a_blocked_processor_is_exactly_queue_size(kind: Kind) -> 
     assert sorted(recorder.items()) == list(range(50))
 
 
-def full_and_blocked(kind: Kind) -> tuple[Recorder, BatchQueue[Any, Any]]:
+def full_and_blocked(make: Make, kind: Kind) -> tuple[Recorder, Any]:
     """A helper holding its capacity (items 0..4) with its only worker blocked."""
     recorder = Recorder(gated=True)
-    helper = make(kind, recorder, batch_size=5, queue_size=5, threads=1)
+    helper = make(kind, recorder, batch_size=5, queue_size=5, threads=1,
+                  route=lambda item: 1)  # one channel holds everything
     assert fill(helper, range(5)) == 5
     return recorder, helper
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_add_with_timeout_waits_for_room(kind: Kind) -> None:
-    recorder, helper = full_and_blocked(kind)
+def test_add_with_timeout_waits_for_room(make: Make, kind: Kind) -> None:
+    recorder, helper = full_and_blocked(make, kind)
     results: list[bool] = []
     waiter = threading.Thread(target=lambda: results.append(helper.add(99, timeout=GUARD)))
     waiter.start()
@@ -213,8 +188,8 @@ def test_add_with_timeout_waits_for_room(kind: Kind) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_producer_waiting_for_room_gets_queue_closed(kind: Kind) -> None:
-    recorder, helper = full_and_blocked(kind)
+def test_producer_waiting_for_room_gets_queue_closed(make: Make, kind: Kind) -> None:
+    recorder, helper = full_and_blocked(make, kind)
     errors: list[BaseException] = []
 
     def produce() -> None:
@@ -235,7 +210,7 @@ def test_producer_waiting_for_room_gets_queue_closed(kind: Kind) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_flush_forces_pending_items_out_and_waits_for_them(kind: Kind) -> None:
+def test_flush_forces_pending_items_out_and_waits_for_them(make: Make, kind: Kind) -> None:
     recorder = Recorder()
     with make(kind, recorder, batch_size=100) as helper:
         for i in range(5):
@@ -246,7 +221,7 @@ def test_flush_forces_pending_items_out_and_waits_for_them(kind: Kind) -> None:
         assert helper.flush(), "flushing an empty queue returns at once"
 
 
-def test_flush_sends_a_partial_flusher_batch_as_one_batch() -> None:
+def test_flush_sends_a_partial_flusher_batch_as_one_batch(make: Make) -> None:
     recorder = Recorder()
     with make("flusher", recorder, batch_size=100, threads=1) as helper:
         for i in range(5):
@@ -257,7 +232,7 @@ def test_flush_sends_a_partial_flusher_batch_as_one_batch() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_close_with_timeout_returns_false_then_drains(kind: Kind) -> None:
+def test_close_with_timeout_returns_false_then_drains(make: Make, kind: Kind) -> None:
     recorder = Recorder(gated=True)
     helper = make(kind, recorder, name="draining", batch_size=2, threads=1)
     for i in range(5):
@@ -272,7 +247,7 @@ def test_close_with_timeout_returns_false_then_drains(kind: Kind) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_flush_with_timeout_returns_false_while_blocked(kind: Kind) -> None:
+def test_flush_with_timeout_returns_false_while_blocked(make: Make, kind: Kind) -> None:
     recorder = Recorder(gated=True)
     helper = make(kind, recorder)
     helper.add(1)
@@ -286,7 +261,7 @@ def test_flush_with_timeout_returns_false_while_blocked(kind: Kind) -> None:
 @pytest.mark.parametrize("method", ["flush", "close"])
 def test_flush_or_close_from_the_processor_refuses_to_deadlock(kind: Kind, method: str) -> None:
     refused: list[BaseException] = []
-    helper: BatchQueue[Any, Any]
+    helper: Any
 
     def processor(batch: list[Any]) -> None:
         try:
@@ -294,14 +269,14 @@ def test_flush_or_close_from_the_processor_refuses_to_deadlock(kind: Kind, metho
         except RuntimeError as exc:
             refused.append(exc)
 
-    helper = make(kind, processor)
+    helper = make_sync(kind, processor)
     helper.add(1)
     assert helper.close(GUARD)
     assert len(refused) == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_counters(kind: Kind) -> None:
+def test_counters(make: Make, kind: Kind) -> None:
     recorder = Recorder(gated=True, fail_first=1)
     helper = make(kind, recorder, batch_size=2, queue_size=4, threads=1, route=lambda i: 0)
     assert fill(helper, range(10)) == 4
@@ -319,7 +294,7 @@ def test_counters(kind: Kind) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_worker_threads_are_named_after_the_helper(kind: Kind) -> None:
     recorder = Recorder()
-    helper = make(kind, recorder, name="orders-sink", threads=3)
+    helper = make_sync(kind, recorder, name="orders-sink", threads=3)
     names = {t.name for t in threading.enumerate() if t.name.startswith("orders-sink-")}
     assert names == {"orders-sink-0", "orders-sink-1", "orders-sink-2"}
     helper.add(1)
@@ -329,7 +304,7 @@ def test_worker_threads_are_named_after_the_helper(kind: Kind) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_ack_messages_acks_after_success_and_with_the_error_after_failure(
-    kind: Kind, caplog: pytest.LogCaptureFixture
+    make: Make, kind: Kind, caplog: pytest.LogCaptureFixture
 ) -> None:
     outcomes: dict[str, BaseException | None] = {}
     failed_keys: set[str] = set()
@@ -367,7 +342,9 @@ def test_ack_messages_acks_after_success_and_with_the_error_after_failure(
     assert "ignored" not in caplog.text, "a message was acked twice"
 
 
-def test_on_error_hook_failure_is_logged_and_survived(caplog: pytest.LogCaptureFixture) -> None:
+def test_on_error_hook_failure_is_logged_and_survived(
+    make: Make, caplog: pytest.LogCaptureFixture
+) -> None:
     def hook(exc: Exception, batch: Any) -> None:
         raise ValueError("hook is broken too")
 

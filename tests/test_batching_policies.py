@@ -1,28 +1,41 @@
 """What sets the three batching helpers apart: BatchExecutor batches only under load,
 Flusher's deadline runs from a batch's oldest item, MultipleQueueFlusher never mixes
-channels and refuses an impossible route."""
+channels and refuses an impossible route.
+
+The tests taking ``make`` run on the sync helpers and on their async twins, one body
+behind batching_modes' sync face; the plan tests check the policy both drivers share."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from msgpatterns import BatchExecutor, Flusher, Group, MultipleQueueFlusher
+from batching_modes import MODES, Batching, Kind, batching
+from msgpatterns import Group
 from msgpatterns.batching import RouteError
 from msgpatterns.batching.core import Channel, plan
 from msgpatterns.errors import ConfigurationError
 
 GUARD = 30.0  # only bounds a hang if the code under test is broken
+Make = Batching
+
+
+@pytest.fixture(params=MODES)
+def make(request: pytest.FixtureRequest) -> Iterator[Make]:
+    """``make(kind, processor, **options)`` on the sync API or the async one."""
+    with batching(request.param) as modes:
+        yield modes
 
 # -- BatchExecutor ------------------------------------------------------------------
 
 
-def test_batch_executor_batches_grow_while_the_processor_is_slow() -> None:
+def test_batch_executor_batches_grow_while_the_processor_is_slow(make: Make) -> None:
     sizes: list[int] = []
     first_started = threading.Event()
     release = threading.Event()
@@ -33,7 +46,7 @@ def test_batch_executor_batches_grow_while_the_processor_is_slow() -> None:
             first_started.set()
             assert release.wait(GUARD)
 
-    with BatchExecutor("slow", 10, slow, threads=1) as executor:
+    with make("executor", slow, name="slow", batch_size=10, threads=1) as executor:
         executor.add(0)
         assert first_started.wait(GUARD)  # the only worker is now busy with [0]
         for i in range(1, 26):
@@ -42,7 +55,9 @@ def test_batch_executor_batches_grow_while_the_processor_is_slow() -> None:
     assert sizes == [1, 10, 10, 5]
 
 
-def test_batch_executor_sends_each_item_alone_while_the_processor_keeps_up() -> None:
+def test_batch_executor_sends_each_item_alone_while_the_processor_keeps_up(
+    make: Make,
+) -> None:
     sizes: list[int] = []
     processed = threading.Event()
 
@@ -50,7 +65,7 @@ def test_batch_executor_sends_each_item_alone_while_the_processor_keeps_up() -> 
         sizes.append(len(batch))
         processed.set()
 
-    with BatchExecutor("fast", 10, fast, threads=2) as executor:
+    with make("executor", fast, name="fast", batch_size=10, threads=2) as executor:
         for i in range(50):
             processed.clear()
             executor.add(i)
@@ -61,7 +76,7 @@ def test_batch_executor_sends_each_item_alone_while_the_processor_keeps_up() -> 
 # -- Flusher ------------------------------------------------------------------------
 
 
-def test_flusher_sends_a_full_batch_without_waiting_for_the_interval() -> None:
+def test_flusher_sends_a_full_batch_without_waiting_for_the_interval(make: Make) -> None:
     batches: list[list[int]] = []
     sent = threading.Event()
 
@@ -69,7 +84,8 @@ def test_flusher_sends_a_full_batch_without_waiting_for_the_interval() -> None:
         batches.append(batch)
         sent.set()
 
-    with Flusher("full", 5, 3600.0, 100, 1, processor) as flusher:
+    with make("flusher", processor, name="full", batch_size=5, flush_interval=3600.0,
+              queue_size=100, threads=1) as flusher:
         for i in range(4):
             flusher.add(i)
         assert not sent.is_set()
@@ -78,7 +94,10 @@ def test_flusher_sends_a_full_batch_without_waiting_for_the_interval() -> None:
         assert batches == [[0, 1, 2, 3, 4]]
 
 
-def test_flusher_sends_a_partial_batch_once_its_oldest_item_waited_the_interval() -> None:
+@pytest.mark.parametrize("kind", ["flusher", "multiple"])
+def test_flusher_sends_a_partial_batch_once_its_oldest_item_waited_the_interval(
+    make: Make, kind: Kind,
+) -> None:
     sent = threading.Event()
     batches: list[list[int]] = []
 
@@ -86,7 +105,8 @@ def test_flusher_sends_a_partial_batch_once_its_oldest_item_waited_the_interval(
         batches.append(batch)
         sent.set()
 
-    with Flusher("partial", 100, 0.02, 100, 1, processor) as flusher:
+    with make(kind, processor, name="partial", batch_size=100, flush_interval=0.02,
+              queue_size=100, threads=1) as flusher:
         flusher.add(1)
         assert sent.wait(GUARD), "a lone item must go out after flush_interval"
         assert batches == [[1]]
@@ -149,7 +169,7 @@ def test_plan_picks_the_due_channel_with_the_oldest_item() -> None:
 # -- MultipleQueueFlusher -----------------------------------------------------------
 
 
-def test_groups_never_mix_channels_under_concurrent_producers() -> None:
+def test_groups_never_mix_channels_under_concurrent_producers(make: Make) -> None:
     channels = 4
     groups: list[Group[int]] = []
     lock = threading.Lock()
@@ -158,9 +178,9 @@ def test_groups_never_mix_channels_under_concurrent_producers() -> None:
         with lock:
             groups.append(group)
 
-    flusher = MultipleQueueFlusher(
-        "shards", channels, 100, 16, 0.005, 3, lambda n: n % channels, processor
-    )
+    flusher = make("multiple", processor, groups=True, name="shards", channels=channels,
+                   queue_size=100, batch_size=16, flush_interval=0.005, threads=3,
+                   route=lambda n: n % channels)
     start = threading.Barrier(4)
 
     def produce(first: int) -> None:
@@ -180,36 +200,42 @@ def test_groups_never_mix_channels_under_concurrent_producers() -> None:
     assert all(1 <= len(g) <= 16 for g in groups)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    channels=st.integers(min_value=1, max_value=6),
-    batch_size=st.integers(min_value=1, max_value=8),
-    keys=st.lists(st.text(max_size=3), max_size=60),
-)
-def test_every_item_lands_once_in_a_group_of_its_own_channel(
-    channels: int, batch_size: int, keys: list[str]
-) -> None:
-    def route(item: tuple[int, str]) -> int:
-        return len(item[1]) * 7 % channels
+def test_every_item_lands_once_in_a_group_of_its_own_channel(make: Make) -> None:
+    examples = 25 if make.mode == "sync" else 10
 
-    groups: list[Group[tuple[int, str]]] = []
-    items = list(enumerate(keys))
-    with MultipleQueueFlusher(
-        "prop", channels, 64, batch_size, 3600.0, 2, route, groups.append
-    ) as flusher:
-        for item in items:
-            assert flusher.add(item, timeout=GUARD)
-    assert all(route(item) == g.index for g in groups for item in g.items)
-    assert sorted(item for g in groups for item in g.items) == items
-    assert all(len(g) <= batch_size for g in groups)
+    @settings(max_examples=examples, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        channels=st.integers(min_value=1, max_value=6),
+        batch_size=st.integers(min_value=1, max_value=8),
+        keys=st.lists(st.text(max_size=3), max_size=60),
+    )
+    def check(channels: int, batch_size: int, keys: list[str]) -> None:
+        def route(item: tuple[int, str]) -> int:
+            return len(item[1]) * 7 % channels
+
+        groups: list[Group[tuple[int, str]]] = []
+        items = list(enumerate(keys))
+        with make("multiple", groups.append, groups=True, name="prop", channels=channels,
+                  queue_size=64, batch_size=batch_size, flush_interval=3600.0, threads=2,
+                  route=route) as flusher:
+            for item in items:
+                assert flusher.add(item, timeout=GUARD)
+        assert all(route(item) == g.index for g in groups for item in g.items)
+        assert sorted(item for g in groups for item in g.items) == items
+        assert all(len(g) <= batch_size for g in groups)
+
+    check()
 
 
 @pytest.mark.parametrize("chosen", [3, 7, -1, 1.5, "0", None])
-def test_an_impossible_route_raises_at_add_and_the_item_is_not_accepted(chosen: Any) -> None:
+def test_an_impossible_route_raises_at_add_and_the_item_is_not_accepted(
+    make: Make, chosen: Any
+) -> None:
     processed: list[Group[str]] = []
-    with MultipleQueueFlusher(
-        "routes", 3, 10, 5, 3600.0, 1, lambda item: chosen, processed.append
-    ) as flusher:
+    with make("multiple", processed.append, groups=True, name="routes", channels=3,
+              queue_size=10, batch_size=5, flush_interval=3600.0, threads=1,
+              route=lambda item: chosen) as flusher:
         with pytest.raises(RouteError, match="route returned"):
             flusher.add("item")
         assert flusher.counters.items == 0
@@ -218,17 +244,20 @@ def test_an_impossible_route_raises_at_add_and_the_item_is_not_accepted(chosen: 
     assert issubclass(RouteError, ValueError)
 
 
-def test_a_route_that_raises_refuses_the_item() -> None:
+def test_a_route_that_raises_refuses_the_item(make: Make) -> None:
     def route(item: str) -> int:
         raise KeyError(item)
 
-    with MultipleQueueFlusher("raising", 2, 10, 5, 3600.0, 1, route, print) as flusher:
+    with make("multiple", print, groups=True, name="raising", channels=2, queue_size=10,
+              batch_size=5, flush_interval=3600.0, threads=1, route=route) as flusher:
         with pytest.raises(KeyError):
             flusher.add("unknown-shard")
         assert flusher.counters.items == 0
 
 
-def test_queue_size_is_per_channel_so_a_full_channel_does_not_block_the_others() -> None:
+def test_queue_size_is_per_channel_so_a_full_channel_does_not_block_the_others(
+    make: Make,
+) -> None:
     release = threading.Event()
     groups: list[Group[tuple[int, int]]] = []
 
@@ -237,9 +266,9 @@ def test_queue_size_is_per_channel_so_a_full_channel_does_not_block_the_others()
             assert release.wait(GUARD)
         groups.append(group)
 
-    with MultipleQueueFlusher(
-        "hot", 2, 6, 3, 3600.0, 2, lambda item: item[0], processor
-    ) as flusher:
+    with make("multiple", processor, groups=True, name="hot", channels=2, queue_size=6,
+              batch_size=3, flush_interval=3600.0, threads=2,
+              route=lambda item: item[0]) as flusher:
         accepted = 0
         while flusher.add((0, accepted)):
             accepted += 1

@@ -1,17 +1,70 @@
-"""optimistic_update: retries a lost compare-and-set, then asks for a delayed retry."""
+"""optimistic_update: retries a lost compare-and-set, then asks for a delayed retry.
+
+The rules run on both APIs, one body each: ``optimistic_update`` and
+``async_optimistic_update`` (with coroutine ``load`` and ``save``, run on an event
+loop) behind :class:`Update`. Sync only: eight threads contending on one row (the
+async peer, tasks contending through AsyncVersionGuard, is in
+tests/aio/test_async_optimistic.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from sqlalchemy import Column, Engine, Integer, RowMapping
 
 from msgpatterns import NeedRetry, optimistic_update
-from msgpatterns.ordering import VersionGuard
-from ordering_db import engine_for, temp_table
+from msgpatterns.ordering import VersionGuard, async_optimistic_update
+from ordering_db import MODES, Mode, engine_for, temp_table
+
+
+def _coroutine_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as an ``async def`` that lets the loop run once before calling it."""
+    async def call(*args: Any) -> Any:
+        await asyncio.sleep(0)
+        return fn(*args)
+
+    return call
+
+
+class Update:
+    """``optimistic_update`` (sync) or ``async_optimistic_update`` (async, each call run
+    to completion on an event loop) with the sync one's signatures; ``load``, ``save``
+    and decorated functions are given as plain functions and, on the async side,
+    handed over as coroutine functions."""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+
+    def __call__(self, load: Callable[[], Any], merge: Callable[[Any], Any],
+                 save: Callable[[Any, Any], bool], **options: Any) -> Any:
+        if self.mode == "sync":
+            return optimistic_update(load, merge, save, **options)
+        return asyncio.run(async_optimistic_update(
+            _coroutine_function(load), merge, _coroutine_function(save), **options))
+
+    def decorate(self, fn: Callable[..., bool] | None = None,
+                 **options: Any) -> Any:
+        """``@optimistic_update`` on ``fn``, or ``@optimistic_update(**options)`` (then
+        a decorator) - the async form on the async side."""
+        if self.mode == "sync":
+            return optimistic_update(fn) if fn is not None else optimistic_update(**options)
+        if fn is None:
+            decorator = async_optimistic_update(**options)
+            return lambda function: self._blocking(decorator(_coroutine_function(function)))
+        return self._blocking(async_optimistic_update(_coroutine_function(fn)))
+
+    @staticmethod
+    def _blocking(function: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *args: asyncio.run(function(*args))
+
+
+@pytest.fixture(params=MODES)
+def update(request: pytest.FixtureRequest) -> Update:
+    return Update(request.param)
 
 
 class Cell:
@@ -40,38 +93,46 @@ def _plus_one(current: tuple[int, int]) -> int:
     return current[0] + 1
 
 
-def test_a_lost_compare_and_set_is_retried_with_fresh_data() -> None:
+def test_a_lost_compare_and_set_is_retried_with_fresh_data(update: Update) -> None:
     cell = Cell(losses=2)
-    assert optimistic_update(cell.load, _plus_one, cell.save, wait=None) == 1
+    assert update(cell.load, _plus_one, cell.save) == 1
     assert cell.loads == 3
     assert (cell.value, cell.version) == (1, 3)
 
 
-def test_after_attempts_lost_rounds_it_raises_need_retry_with_retry_later() -> None:
+def test_after_attempts_lost_rounds_it_raises_need_retry_with_retry_later(
+    update: Update,
+) -> None:
     cell = Cell(losses=10)
     with pytest.raises(NeedRetry) as raised:
-        optimistic_update(cell.load, _plus_one, cell.save, attempts=4, retry_later=30.0)
+        update(cell.load, _plus_one, cell.save, attempts=4, retry_later=30.0)
     assert raised.value.delay == 30.0
     assert "4 times" in raised.value.reason
     assert cell.loads == 4
     assert cell.value == 0
 
 
-def test_errors_are_not_retried() -> None:
+def test_errors_are_not_retried(update: Update) -> None:
     cell = Cell()
 
     def merge(current: tuple[int, int]) -> int:
         raise KeyError("bad payload")
 
+    def load() -> tuple[int, int]:
+        raise LookupError("store said no")
+
     with pytest.raises(KeyError, match="bad payload"):
-        optimistic_update(cell.load, merge, cell.save)
+        update(cell.load, merge, cell.save)
     assert cell.loads == 1
+    with pytest.raises(LookupError, match="store said no"):
+        update(load, _plus_one, cell.save)
+    assert cell.value == 0
 
 
-def test_as_a_decorator_with_and_without_arguments() -> None:
+def test_as_a_decorator_with_and_without_arguments(update: Update) -> None:
     cell = Cell(losses=2)
 
-    @optimistic_update
+    @update.decorate
     def bump(step: int) -> bool:
         return cell.save(cell.load(), cell.value + step)
 
@@ -80,7 +141,7 @@ def test_as_a_decorator_with_and_without_arguments() -> None:
 
     stubborn = Cell(losses=100)
 
-    @optimistic_update(attempts=2, retry_later=7)
+    @update.decorate(attempts=2, retry_later=7)
     def bump_stubborn() -> bool:
         return stubborn.save(stubborn.load(), 1)
 
@@ -90,11 +151,12 @@ def test_as_a_decorator_with_and_without_arguments() -> None:
     assert stubborn.loads == 2
 
 
-def test_bad_arguments_are_refused() -> None:
+@pytest.mark.parametrize("decorator", [optimistic_update, async_optimistic_update], ids=MODES)
+def test_bad_arguments_are_refused(decorator: Any) -> None:
     with pytest.raises(ValueError, match="attempts"):
-        optimistic_update(attempts=0)
+        decorator(attempts=0)
     with pytest.raises(TypeError, match="load, merge and save"):
-        optimistic_update(lambda: 1, lambda c: c, None)  # type: ignore[call-overload]
+        decorator(_coroutine_function(lambda: 1), lambda c: c, None)
 
 
 @pytest.fixture

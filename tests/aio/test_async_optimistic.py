@@ -1,6 +1,7 @@
-"""async_optimistic_update (issue 12 item 4): the sync optimistic_update's rounds,
-retries and NeedRetry for coroutines - on an in-memory cell, and with
-AsyncVersionGuard's compare-and-set on aiosqlite, the real PostgreSQL and MariaDB."""
+"""async_optimistic_update beyond the rules it shares with optimistic_update (those run
+on both APIs in tests/test_ordering_optimistic.py): misuse refused, and tasks
+contending through AsyncVersionGuard's compare-and-set on aiosqlite, the real
+PostgreSQL and MariaDB."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from sqlalchemy import Engine, Table, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from msgpatterns import NeedRetry, optimistic_update
+from msgpatterns import optimistic_update
 from msgpatterns.aio import AsyncVersionGuard
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.ordering import async_optimistic_update
@@ -43,54 +44,6 @@ class Cell:
 
 def plus_one(current: tuple[int, int]) -> int:
     return current[0] + 1
-
-
-async def test_a_lost_compare_and_set_is_retried_with_fresh_data() -> None:
-    cell = Cell(losses=2)
-    assert await async_optimistic_update(cell.load, plus_one, cell.save) == 1
-    assert cell.loads == 3 and (cell.value, cell.version) == (1, 3)
-
-
-async def test_after_attempts_lost_rounds_it_raises_need_retry() -> None:
-    cell = Cell(losses=10)
-    with pytest.raises(NeedRetry) as raised:
-        await async_optimistic_update(cell.load, plus_one, cell.save, attempts=4,
-                                      retry_later=30.0)
-    assert raised.value.delay == 30.0 and "4 times" in raised.value.reason
-    assert cell.loads == 4 and cell.value == 0
-
-
-async def test_errors_are_not_retried() -> None:
-    calls: list[int] = []
-
-    async def load() -> int:
-        calls.append(1)
-        raise KeyError("gone")
-
-    async def save(current: int, merged: int) -> bool:
-        return True
-
-    with pytest.raises(KeyError):
-        await async_optimistic_update(load, lambda c: c, save)
-    assert calls == [1]
-
-
-async def test_the_decorator_forms_retry_a_falsy_round() -> None:
-    rounds: list[int] = []
-
-    @async_optimistic_update
-    async def once() -> bool:
-        rounds.append(1)
-        return len(rounds) >= 2
-
-    @async_optimistic_update(attempts=2, retry_later=5)
-    async def never() -> bool:
-        return False
-
-    assert await once() is True and len(rounds) == 2
-    with pytest.raises(NeedRetry) as raised:
-        await never()
-    assert raised.value.delay == 5
 
 
 def test_misuse_is_refused_before_anything_runs() -> None:

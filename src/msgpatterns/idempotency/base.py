@@ -255,6 +255,10 @@ async def aperform_io(operation: Callable[[Any], Awaitable[R]], io: Io, policy: 
                       transient: tuple[type[BaseException], ...],
                       stats: IdempotencyStats) -> R:
     """:func:`perform_io` for an async store operation."""
+    if _obs.listener is None and io.retried:  # the hot path: nothing to report
+        return await acall_with_retries(partial(operation, io.arg), policy, transient,
+                                        what=f"{stats.owner}.{io.op}",
+                                        on_error=stats.count_error)
     with RoundTrip(stats.owner, io.op if io.trip is None else io.trip):
         return await (acall_with_retries(lambda: operation(io.arg), policy, transient,
                                          what=f"{stats.owner}.{io.op}",

@@ -17,6 +17,7 @@ import asyncio
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -70,15 +71,80 @@ class RedisLink:
             conn.disconnect()
 
 
+class _Wire(asyncio.Protocol):
+    """One connection of an :class:`AsyncRedisLink` once redis-py has opened it (and
+    authenticated, selected the database, negotiated the protocol): its replies go
+    straight to a hiredis reader built as redis-py builds it, and the reply completes
+    the caller's future - no stream reader, no parser coroutines between the socket
+    and the caller (they cost three times the event loop's own round trip)."""
+
+    __slots__ = ("closed", "conn", "deadline", "reader", "transport", "waiter")
+
+    def __init__(self, conn: Any, transport: asyncio.Transport, reader: Any) -> None:
+        self.conn, self.transport, self.reader = conn, transport, reader
+        self.waiter: asyncio.Future[Any] | None = None
+        self.deadline = 0.0
+        self.closed = asyncio.get_running_loop().create_future()
+        transport.set_protocol(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        waiter = self.waiter
+        if waiter is None:
+            return  # nothing asked: the caller finds the connection out of step
+        reply = self.reader.gets()
+        if reply is not _INCOMPLETE:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        self.fail(RedisConnectionError("Connection closed by server."))
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    async def drop(self) -> None:
+        """Close at once, whatever is unsent or unread."""
+        self.transport.abort()
+        await self.conn.disconnect(nowait=True)
+
+    async def close(self) -> None:
+        """Close once what is written is sent (the way redis-py closes)."""
+        self.transport.close()
+        await self.conn.disconnect(nowait=True)
+        await self.closed
+
+    def fail(self, error: BaseException) -> None:
+        """End the command waiting for a reply with ``error``."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(error)
+
+
+_INCOMPLETE = object()  # what the hiredis reader returns until a reply is complete
+
+
 class AsyncRedisLink:
     """:class:`RedisLink` for ``redis.asyncio``: commands over the link's own
     connections, one per task talking at the same moment (kept in a free list), each
-    built like the client's pool builds them. A connection whose command failed
-    mid-way (an I/O error, a cancelled task) is dropped; an error reply (the server
-    answered) keeps it. Clients with other pools go through ``execute_command``."""
+    built and opened by redis-py like the client's pool does. With hiredis (the
+    parser redis-py uses when it is installed) the replies are read by
+    :class:`_Wire`; without it through redis-py's connection.
+
+    A command past the client's ``socket_timeout`` (send and reply together) raises
+    redis-py's ``TimeoutError``; one deadline watch per link checks the commands in
+    flight every quarter of it, so a command times out within 1.25 timeouts. A
+    connection whose command failed mid-way (an I/O error, a timeout, a cancelled
+    task) is dropped; an error reply (the server answered) keeps it. Clients with
+    other pools go through ``execute_command``."""
 
     def __init__(self, client: Any) -> None:
+        from redis._parsers import BaseParser  # how redis-py types error replies
         from redis.asyncio.connection import ConnectionPool
+        from redis.exceptions import InvalidResponse, ResponseError
+        from redis.utils import HIREDIS_AVAILABLE
 
         self.client = client
         pool = getattr(client, "connection_pool", None)
@@ -86,33 +152,125 @@ class AsyncRedisLink:
         self._pool = pool
         self._free: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        # The link's connections are built without socket_timeout: redis-py would wrap
+        # every send in a task of its own (asyncio.wait_for) and every read in a timer.
+        kwargs = dict(pool.connection_kwargs) if pool is not None and self._direct else {}
+        self._timeout: float | None = kwargs.get("socket_timeout")
+        kwargs["socket_timeout"] = None
+        self._kwargs = kwargs
+        self._busy: set[_Wire] = set()
+        self._response_error = ResponseError
+        self._watch: asyncio.TimerHandle | None = None
+        # With hiredis, commands are packed and replies parsed by it, as the sync client
+        # does (the caller passes each word of a command as an argument of its own).
+        self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
+        self._reader_options: dict[str, Any] | None = None
+        if HIREDIS_AVAILABLE:
+            import hiredis
+
+            self._pack = hiredis.pack_command
+            self._reader_options = {"protocolError": InvalidResponse,
+                                    "replyError": BaseParser.parse_error,
+                                    "notEnoughData": _INCOMPLETE}
+            if kwargs.get("decode_responses"):
+                self._reader_options.update(encoding=kwargs.get("encoding", "utf-8"),
+                                            errors=kwargs.get("encoding_errors", "strict"))
 
     async def call(self, *args: Any) -> Any:
         """Send one command and return its reply (error replies raise)."""
         if not self._direct:
             return await self.client.execute_command(*args)
-        from redis.exceptions import ResponseError
-
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # connections belong to the loop that opened them
-            self._loop, self._free = loop, []
-        free = self._free
-        if free:
-            conn = free.pop()
-        else:
-            assert self._pool is not None
-            conn = self._pool.connection_class(**self._pool.connection_kwargs)
-            await conn.connect()
+            self._loop, self._free, self._busy, self._watch = loop, [], set(), None
+        conn = self._free.pop() if self._free else await self._open()
+        if type(conn) is _Wire:
+            return await self._send(loop, conn, args)
+        return await self._send_by_redis_py(conn, args)
+
+    async def _open(self) -> Any:
+        assert self._pool is not None
+        conn = self._pool.connection_class(**self._kwargs)
+        await conn.connect()
+        if self._reader_options is not None:
+            import hiredis
+
+            transport = getattr(getattr(conn, "_writer", None), "transport", None)
+            if isinstance(transport, asyncio.Transport):  # fakeredis has no transport
+                return _Wire(conn, transport, hiredis.Reader(**self._reader_options))
+        return conn
+
+    async def _send(self, loop: asyncio.AbstractEventLoop, wire: _Wire,
+                    args: tuple[Any, ...]) -> Any:
+        assert self._pack is not None
         try:
-            await conn.send_command(*args)
-            reply = await conn.read_response()
-        except ResponseError:
-            free.append(conn)  # the server answered: the connection is in step
+            packed = self._pack(args)
+        except TypeError as error:  # a value redis-py would not send either
+            from redis.exceptions import DataError
+
+            self._free.append(wire)  # nothing was sent
+            raise DataError(str(error)) from None
+        wire.waiter = waiter = loop.create_future()
+        wire.transport.write(packed)
+        if self._timeout is not None:
+            wire.deadline = loop.time() + self._timeout
+            self._busy.add(wire)
+            if self._watch is None:
+                self._watch = loop.call_later(self._timeout / 4, self._check_deadlines)
+        try:
+            reply = await waiter
+        except BaseException:
+            await wire.drop()
             raise
+        finally:
+            self._busy.discard(wire)
+        if isinstance(reply, Exception):
+            if not isinstance(reply, self._response_error):
+                await wire.drop()  # e.g. LOADING: redis-py drops the connection too
+                raise reply
+            self._free.append(wire)  # the server answered: the connection is in step
+            raise reply
+        self._free.append(wire)
+        return reply
+
+    def _check_deadlines(self) -> None:
+        """The deadline watch: fail the commands past their deadline."""
+        from redis.exceptions import TimeoutError as RedisTimeout
+
+        self._watch = None
+        assert self._loop is not None and self._timeout is not None
+        now = self._loop.time()
+        for wire in [wire for wire in self._busy if wire.deadline <= now]:
+            self._busy.discard(wire)
+            wire.fail(RedisTimeout(f"Timeout after {self._timeout}s talking to Redis"))
+        if self._busy:
+            self._watch = self._loop.call_later(self._timeout / 4, self._check_deadlines)
+
+    async def _send_by_redis_py(self, conn: Any, args: tuple[Any, ...]) -> Any:
+        from redis.exceptions import ResponseError
+        from redis.exceptions import TimeoutError as RedisTimeout
+
+        packed = conn.pack_command(*args)
+        try:
+            if self._timeout is None:
+                await conn.send_packed_command(packed)
+                reply = await conn.read_response()
+            else:
+                async with asyncio.timeout(self._timeout):
+                    await conn.send_packed_command(packed)
+                    reply = await conn.read_response()
+        except ResponseError:
+            self._free.append(conn)  # the server answered: the connection is in step
+            raise
+        except TimeoutError as error:  # the deadline passed: the reply may still come
+            await conn.disconnect(nowait=True)
+            if isinstance(error, RedisTimeout):
+                raise
+            raise RedisTimeout(f"Timeout after {self._timeout}s talking to Redis") from None
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
-        free.append(conn)
+        self._free.append(conn)
         return reply
 
     async def aclose(self) -> None:
@@ -120,5 +278,8 @@ class AsyncRedisLink:
         free, self._free = self._free, []
         if self._loop is not asyncio.get_running_loop():
             return  # another loop's connections: they went with it
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         for conn in free:
-            await conn.disconnect()
+            await (conn.close() if type(conn) is _Wire else conn.disconnect())
