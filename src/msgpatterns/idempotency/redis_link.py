@@ -126,6 +126,17 @@ class _Wire(asyncio.Protocol):
 _INCOMPLETE = object()  # what the hiredis reader returns until a reply is complete
 
 
+def _redis_py_error_parser() -> Callable[[str], Exception] | None:
+    """How redis-py types an error reply (a private name of redis-py: if a release
+    moves it, the link talks through redis-py's own connection instead)."""
+    try:
+        from redis._parsers import BaseParser
+    except ImportError:
+        return None
+    parse_error: Callable[[str], Exception] | None = getattr(BaseParser, "parse_error", None)
+    return parse_error
+
+
 class AsyncRedisLink:
     """:class:`RedisLink` for ``redis.asyncio``: commands over the link's own
     connections, one per task talking at the same moment (kept in a free list), each
@@ -141,7 +152,6 @@ class AsyncRedisLink:
     other pools go through ``execute_command``."""
 
     def __init__(self, client: Any) -> None:
-        from redis._parsers import BaseParser  # how redis-py types error replies
         from redis.asyncio.connection import ConnectionPool
         from redis.exceptions import InvalidResponse, ResponseError
         from redis.utils import HIREDIS_AVAILABLE
@@ -165,12 +175,13 @@ class AsyncRedisLink:
         # does (the caller passes each word of a command as an argument of its own).
         self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
         self._reader_options: dict[str, Any] | None = None
-        if HIREDIS_AVAILABLE:
+        parse_error = _redis_py_error_parser()
+        if HIREDIS_AVAILABLE and parse_error is not None:
             import hiredis
 
             self._pack = hiredis.pack_command
             self._reader_options = {"protocolError": InvalidResponse,
-                                    "replyError": BaseParser.parse_error,
+                                    "replyError": parse_error,
                                     "notEnoughData": _INCOMPLETE}
             if kwargs.get("decode_responses"):
                 self._reader_options.update(encoding=kwargs.get("encoding", "utf-8"),
