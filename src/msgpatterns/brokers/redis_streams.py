@@ -80,7 +80,7 @@ from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers._reconnect import reconnect_backoff, reconnecting
 from msgpatterns.deadletter import DeadLetter, body_bytes
-from msgpatterns.delivery import receipt_of
+from msgpatterns.delivery import Delivery, receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -180,6 +180,30 @@ class _Receipt:
 
 def _b(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+def _ack_commands(batch: Sequence[_Receipt]) -> list[tuple[Any, ...]]:
+    """The commands that settle ``batch``: one XACK per stream and group (plus an XDEL
+    of retry-stream entries, which are never read again once acked)."""
+    first = batch[0]
+    stream, group, retry = first.stream, first.group, first.retry
+    for r in batch:  # the common case: every ack is for one stream and group
+        if r.stream != stream or r.group != group or r.retry is not retry:
+            break
+    else:
+        ids = [r.entry_id for r in batch]
+        if retry:
+            return [("XACK", stream, group, *ids), ("XDEL", stream, *ids)]
+        return [("XACK", stream, group, *ids)]
+    by_stream: dict[tuple[str, str, bool], list[str]] = {}
+    for r in batch:
+        by_stream.setdefault((r.stream, r.group, r.retry), []).append(r.entry_id)
+    commands: list[tuple[Any, ...]] = []
+    for (stream, group, retry), ids in by_stream.items():
+        commands.append(("XACK", stream, group, *ids))
+        if retry:
+            commands.append(("XDEL", stream, *ids))
+    return commands
 
 
 def _pack(parts: Sequence[bytes]) -> bytes:
@@ -354,7 +378,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self.ack_batch = max(1, ack_batch)
         self._acks: list[_Receipt] = []
         self._ack_lock = threading.Lock()
-        self._ack_wake = threading.Event()
+        self._ack_full = threading.Event()  # wakes the flusher (full batch, close)
         self._flusher: threading.Thread | None = None
         self._flush_error: Exception | None = None
         self._fetches: set[_Read] = set()
@@ -450,42 +474,64 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
     def _fetch(self, topics: Sequence[str], group: str, max_messages: int,
                timeout: float, read: _Read) -> list[Message]:
         self._ensure_groups(topics, group)
-        self._flush()
-        out = self._take_overflow(topics, group, max_messages)
-        wait = timeout
-        now = time.monotonic()
-        for topic in topics:
-            slot = (topic, group)
-            if now >= self._promote_at.get(slot, 0.0):
-                self._recovering(topics, group, self._promote, topic, group,
-                                 max(max_messages, 100), now)
-            due = self._next_due.get(slot)
-            if due is not None:  # block no longer than until a known retry is due
-                wait = min(wait, max(0.0, due - now))
-        if len(out) < max_messages:
-            out.extend(self._recovering(topics, group, self._claim_stale, topics, group,
-                                        max_messages - len(out)))
-        remaining = max_messages - len(out)
-        if remaining > 0:
+        acks = self._take_acks()  # sent with the read below: one round trip for both
+        try:
+            out = self._take_overflow(topics, group, max_messages)
+            wait = timeout
+            now = time.monotonic()
+            for topic in topics:
+                slot = (topic, group)
+                if now >= self._promote_at.get(slot, 0.0):
+                    self._recovering(topics, group, self._promote, topic, group,
+                                     max(max_messages, 100), now)
+                due = self._next_due.get(slot)
+                if due is not None:  # block no longer than until a known retry is due
+                    wait = min(wait, max(0.0, due - now))
+            if len(out) < max_messages:
+                out.extend(self._recovering(topics, group, self._claim_stale, topics,
+                                            group, max_messages - len(out)))
+            remaining = max_messages - len(out)
+            if remaining <= 0:
+                if acks:
+                    self._send_acks(acks)
+                return out
             block = None if out or wait <= 0 else max(1, int(wait * 1000))
             got = self._recovering(topics, group, self._read, topics, group, remaining,
-                                   block, read)
-            out.extend(got[:remaining])
-            if len(got) > remaining:
-                with self._lock:
-                    self._overflow.extend(got[remaining:])
+                                   block, read, _ack_commands(acks) if acks else ())
+        except BaseException:
+            self._requeue_acks(acks)  # sent or not: an XACK sent twice is harmless
+            raise
+        out.extend(got[:remaining])
+        if len(got) > remaining:
+            with self._lock:
+                self._overflow.extend(got[remaining:])
         return out
 
     def ack(self, message: Message) -> None:
         """Queue the ack (see the batching note above); :meth:`flush` sends it now."""
-        self._queue_acks([receipt_of(message, _Receipt, _OWNER)])
+        receipt = message.delivery.receipt
+        if type(receipt) is not _Receipt:
+            receipt = receipt_of(message, _Receipt, _OWNER)  # raises the usual error
+        if self.ack_flush_interval <= 0:
+            self._check_open()
+            self._send_acks([receipt])
+            return
+        with self._ack_lock:
+            if self._closed.is_set():  # under the lock: close() flushes what got queued
+                raise BrokerClosed(f"{self!r} is closed")
+            acks = self._acks
+            acks.append(receipt)
+            if len(acks) >= self.ack_batch or self._flusher is None:
+                self._wake_flusher()
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
         self._queue_acks([receipt_of(message, _Receipt, _OWNER) for message in messages])
 
     def _queue_acks(self, receipts: list[_Receipt]) -> None:
-        """Send the acks now (no batching) or queue them for the flusher thread."""
+        """Send the acks now (no batching) or queue them for the next fetch (which
+        sends them in the same write as its read) or the flusher thread, whichever
+        comes first."""
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks(receipts)
@@ -493,13 +539,30 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         with self._ack_lock:
             self._check_open()  # under the lock: close() flushes whatever got queued
             self._acks.extend(receipts)
-            full = len(self._acks) >= self.ack_batch
-            if self._flusher is None:
-                self._flusher = threading.Thread(target=self._flush_periodically,
-                                                 name=f"{self.consumer}-acks", daemon=True)
-                self._flusher.start()
-        if full:
-            self._flush()
+            if len(self._acks) >= self.ack_batch or self._flusher is None:
+                self._wake_flusher()
+
+    def _wake_flusher(self) -> None:
+        """Ack lock held: start the flusher thread, or wake it to send a full batch now
+        (off the caller's thread: a fetch coming first takes the batch along)."""
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_periodically,
+                                             name=f"{self.consumer}-acks", daemon=True)
+            self._flusher.start()
+        if len(self._acks) >= self.ack_batch:
+            self._ack_full.set()
+
+    def _take_acks(self) -> list[_Receipt]:
+        with self._ack_lock:
+            batch, self._acks = self._acks, []
+        return batch
+
+    def _requeue_acks(self, batch: list[_Receipt]) -> None:
+        """Put back acks taken by a fetch that failed before they surely reached Redis
+        (even after close(): it flushes them once the fetch has ended)."""
+        if batch:
+            with self._ack_lock:
+                self._acks[:0] = batch
 
     def flush(self) -> None:
         """Send every queued ack to Redis now."""
@@ -507,8 +570,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self._flush()
 
     def _flush(self) -> None:
-        with self._ack_lock:
-            batch, self._acks = self._acks, []
+        batch = self._take_acks()
         if batch:
             self._send_acks(batch)
 
@@ -569,7 +631,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             if self._closed.is_set():
                 return
             self._closed.set()
-        self._ack_wake.set()
+        self._ack_full.set()
         try:
             self._wake_fetches()
             with self._lock:
@@ -669,7 +731,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def _flush_periodically(self) -> None:
         while not self._closed.is_set():
-            self._ack_wake.wait(self.ack_flush_interval)
+            self._ack_full.wait(self.ack_flush_interval)
+            self._ack_full.clear()  # before taking the batch: a later set is seen
             if self._closed.is_set():
                 return  # close() sends what is left
             try:
@@ -682,23 +745,18 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                               "redelivered", self.consumer)
 
     def _send_acks(self, batch: Sequence[_Receipt]) -> None:
-        """One round trip: XACK per stream (and XDEL for retry-stream entries)."""
-        by_stream: dict[tuple[str, str, bool], list[str]] = {}
-        for r in batch:
-            by_stream.setdefault((r.stream, r.group, r.retry), []).append(r.entry_id)
+        """One round trip: XACK per stream (and XDEL for retry-stream entries).
+        XACK is idempotent and an acked retry entry is never read again (reads take
+        new entries only), so these need no MULTI/EXEC around them."""
+        commands = _ack_commands(batch)
 
         def send() -> None:
-            if len(by_stream) == 1 and not next(iter(by_stream))[2]:
-                (stream, group, _), ids = next(iter(by_stream.items()))
-                self._redis.xack(stream, group, *ids)  # the common case: one command
+            if len(commands) == 1:  # the common case: one XACK
+                self._redis.execute_command(*commands[0])
                 return
-            # XACK is idempotent and an acked retry entry is never read again (reads
-            # take new entries only), so these need no MULTI/EXEC around them.
             pipe = self._redis.pipeline(transaction=False)
-            for (stream, group, retry), ids in by_stream.items():
-                pipe.xack(stream, group, *ids)
-                if retry:
-                    pipe.xdel(stream, *ids)
+            for command in commands:
+                pipe.execute_command(*command)
             pipe.execute()
 
         self._do(send)
@@ -788,7 +846,10 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         return out
 
     def _read(self, topics: Sequence[str], group: str, count: int,
-              block: int | None, read: _Read) -> list[Message]:
+              block: int | None, read: _Read,
+              acks: Sequence[tuple[Any, ...]] = ()) -> list[Message]:
+        """XREADGROUP of new entries (``acks``, commands from :func:`_ack_commands`,
+        go first in the same write: one round trip)."""
         streams: dict[str, str] = {}
         origin: dict[str, tuple[str, bool]] = {}
         for topic in topics:
@@ -801,39 +862,82 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         if block is not None:
             args += ["BLOCK", block]
         args += ["STREAMS", *streams, *streams.values()]
-        reply = self._do(self._read_on_own_connection, args, read)
+        reply = self._do(self._read_on_own_connection, args, read, acks)
+        return self._messages(reply, origin, group)
+
+    def _messages(self, reply: Any, origin: Mapping[str, tuple[str, bool]],
+                  group: str) -> list[Message]:
+        """The deliveries in an XREADGROUP reply as redis-py's connection hands it back
+        before any response callback (RESP2: ``[[stream, entries]...]``, RESP3:
+        ``{stream: entries}``; an entry is ``[id, [name, value, ...]]``, or
+        ``[id, None]`` when it was deleted while pending).
+
+        One tight loop: an entry of a single ``body`` field (what :meth:`publish`
+        writes without headers) becomes a Message here at once; any other entry goes
+        through :meth:`_message` (headers, foreign producers, malformed entries, which
+        are dead-lettered on their own while the rest are delivered)."""
         out: list[Message] = []
-        for stream_name, entries in reply.items() if isinstance(reply, dict) else reply or []:
-            stream = codec.text(stream_name)
+        if not reply:
+            return out
+        append = out.append
+        slow = self._message
+        receipt = _Receipt
+        delivery = Delivery
+        message_cls = Message
+        for stream_name, entries in reply.items() if isinstance(reply, dict) else reply:
+            stream = stream_name if type(stream_name) is str else codec.text(stream_name)
             topic, retry = origin[stream]
-            for entry in entries[0] if isinstance(reply, dict) else entries:
-                entry_id, fields = entry
-                if fields is None:  # trimmed while pending
+            prefix = topic + "/"
+            for entry_id, fields in entries:
+                if fields is None:  # deleted (trimmed) while pending
                     continue
-                message = self._message(topic, stream, retry, group, entry_id, fields, 1)
+                if (type(entry_id) is bytes and type(fields) is list and len(fields) == 2
+                        and fields[0] == b"body" and type(fields[1]) is bytes):
+                    eid = entry_id.decode("ascii")
+                    append(message_cls(
+                        fields[1], id=prefix + eid, topic=topic,
+                        timestamp=int(entry_id[:entry_id.index(b"-")]) / 1000,
+                        delivery=delivery(receipt(stream, eid, group, topic, retry))))
+                    continue
+                message = slow(topic, stream, retry, group, entry_id, fields, 1)
                 if message is not None:
-                    out.append(message)
+                    append(message)
         return out
 
-    def _read_on_own_connection(self, args: list[Any], read: _Read) -> Any:
-        """XREADGROUP on a pool connection whose client id :meth:`close` knows, so it
-        can wake it with CLIENT UNBLOCK (the reply, entries or none, always arrives).
-        CLIENT ID goes in the same write: no extra round trip."""
+    def _read_on_own_connection(self, args: list[Any], read: _Read,
+                                acks: Sequence[tuple[Any, ...]] = ()) -> Any:
+        """``acks`` then XREADGROUP on a pool connection whose client id :meth:`close`
+        knows, so it can wake it with CLIENT UNBLOCK (the reply, entries or none,
+        always arrives). The acks and CLIENT ID go in the same write as the read: one
+        round trip. The XREADGROUP reply is returned raw (no response callback).
+
+        An ack Redis refuses is logged (that delivery is redelivered after
+        ``visibility_timeout``: at least once) and does not fail the read."""
         pool = self._redis.connection_pool
         try:
             conn = pool.get_connection()
         except TypeError:  # redis-py < 5.3 wants a command name
             conn = pool.get_connection("XREADGROUP")
+        refused: BaseException | None = None
         try:
-            conn.send_packed_command(conn.pack_commands([("CLIENT", "ID"), args]))
-            read.client_id = int(self._redis.parse_response(conn, "CLIENT ID"))
-            return self._redis.parse_response(conn, "XREADGROUP")
+            conn.send_packed_command(conn.pack_commands([*acks, ("CLIENT", "ID"), args]))
+            for _ in acks:
+                try:
+                    conn.read_response()
+                except redis.ResponseError as exc:
+                    refused = exc
+            read.client_id = int(conn.read_response())
+            reply = conn.read_response()
         except BaseException:
             conn.disconnect()  # a reply may still be on the way: never reuse it
             raise
         finally:
             read.client_id = None
             pool.release(conn)
+        if refused is not None:
+            log.error("%s: redis refused acks (%s); those messages will be redelivered",
+                      self.consumer, refused)
+        return reply
 
     def _message(self, topic: str, stream: str, retry: bool, group: str, entry_id: Any,
                  raw: Any, deliveries: int) -> Message | None:
