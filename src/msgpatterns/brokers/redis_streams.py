@@ -282,6 +282,18 @@ class _Read:
     client_id: int | None = None
 
 
+@dataclass(eq=False, slots=True)
+class _Ahead:
+    """An XREADGROUP sent ahead of the fetch that takes it: its connection, with the
+    replies of ``acks`` ack commands and then the read's reply still to come."""
+
+    conn: Any
+    key: tuple[tuple[str, ...], str]
+    origin: dict[str, tuple[str, bool]]
+    acks: int
+    since: float
+
+
 class StreamsSettings:
     """The settings and per-group bookkeeping every Redis Streams adapter (sync and
     async) starts with: one place for their meaning and defaults."""
@@ -363,12 +375,19 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         dead_letter_maxlen: int | None = None,
         start_id: str = "0",
         ack_flush_interval: float = 0.05,
-        ack_batch: int = 256,
+        ack_batch: int = 1024,
         promote_interval: float = 0.05,
+        read_ahead: bool = True,
+        read_ahead_hold: float = 1.0,
     ) -> None:
         self._configure(url, redis.Redis, locals())  # the options, by their names
         self._lock = threading.Lock()
         self._overflow: list[Message] = []
+        self.read_ahead = read_ahead
+        self.read_ahead_hold = read_ahead_hold
+        self._ahead: _Ahead | None = None
+        self._last_read = float("-inf")  # monotonic time of the last read
+        self._read_conns: list[Any] = []  # pool connections kept by reads
         self._closed = threading.Event()
         self._retrying = reconnecting(
             _CONNECTION_ERRORS, logger=log, what="redis call", attempts=5,
@@ -637,7 +656,10 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             with self._lock:
                 unused, self._overflow = self._overflow, []
             try:
-                self._hand_back(unused)
+                try:
+                    self._hand_back_ahead()
+                finally:
+                    self._hand_back(unused)
             finally:  # the acks go out even if a hand-back failed
                 if self._flusher is not None:
                     self._flusher.join(timeout=5)
@@ -645,6 +667,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 if self._flush_error is not None:  # the flusher's last batch failed
                     raise self._flush_error
         finally:
+            while self._read_conns:
+                self._redis.connection_pool.release(self._read_conns.pop())
             if self._owns_client:
                 self._redis.close()
 
@@ -737,6 +761,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 return  # close() sends what is left
             try:
                 self._flush()
+                if self._ahead is not None:
+                    self._hand_back_ahead(older_than=self.read_ahead_hold)
             except Exception as exc:
                 if self._closed.is_set():  # close() is waiting: it raises this
                     self._flush_error = exc
@@ -748,18 +774,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         """One round trip: XACK per stream (and XDEL for retry-stream entries).
         XACK is idempotent and an acked retry entry is never read again (reads take
         new entries only), so these need no MULTI/EXEC around them."""
-        commands = _ack_commands(batch)
-
-        def send() -> None:
-            if len(commands) == 1:  # the common case: one XACK
-                self._redis.execute_command(*commands[0])
-                return
-            pipe = self._redis.pipeline(transaction=False)
-            for command in commands:
-                pipe.execute_command(*command)
-            pipe.execute()
-
-        self._do(send)
+        self._do(self._send_commands, _ack_commands(batch))
 
     @staticmethod
     def _entry(body: bytes, headers: Mapping[str, str]) -> dict[str, Any]:
@@ -849,7 +864,17 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
               block: int | None, read: _Read,
               acks: Sequence[tuple[Any, ...]] = ()) -> list[Message]:
         """XREADGROUP of new entries (``acks``, commands from :func:`_ack_commands`,
-        go first in the same write: one round trip)."""
+        go first in the same write: one round trip).
+
+        Read-ahead: when a read fills ``count`` (a backlog) less than a quarter of
+        ``read_ahead_hold`` after the previous read (a consumer keeping up), the next
+        XREADGROUP (without BLOCK) is written at once, with the acks queued by then,
+        and its reply left for the next fetch, so Redis prepares the next batch while
+        the handlers run. Those entries are this consumer's pending deliveries like any
+        others: the next fetch takes them, :meth:`close` hands back what no fetch
+        took, and so does the flusher thread when no fetch took them within
+        ``read_ahead_hold`` seconds (a consumer stopped without closing its
+        broker)."""
         streams: dict[str, str] = {}
         origin: dict[str, tuple[str, bool]] = {}
         for topic in topics:
@@ -858,12 +883,125 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             streams[topic] = ">"
             origin[retry_key] = (topic, True)
             origin[topic] = (topic, False)
-        args: list[Any] = ["XREADGROUP", "GROUP", group, self.consumer, "COUNT", count]
-        if block is not None:
-            args += ["BLOCK", block]
-        args += ["STREAMS", *streams, *streams.values()]
-        reply = self._do(self._read_on_own_connection, args, read, acks)
-        return self._messages(reply, origin, group)
+        head: list[Any] = ["XREADGROUP", "GROUP", group, self.consumer, "COUNT", count]
+        tail = ["STREAMS", *streams, *streams.values()]
+        key = (tuple(topics), group)
+        got: list[Message] = []
+        ahead = self._take_ahead(key)
+        if ahead is not None:
+            got = self._messages(self._finish_ahead(ahead), ahead.origin, group)
+        if not got:
+            args = head + (["BLOCK", block] if block is not None else []) + tail
+            reply = self._do(self._read_on_own_connection, args, read, acks)
+            acks = ()
+            got = self._messages(reply, origin, group)
+        now = time.monotonic()
+        steady, self._last_read = now - self._last_read < self.read_ahead_hold / 4, now
+        if steady and len(got) >= count and self.read_ahead and self.ack_flush_interval > 0:
+            self._send_ahead(key, origin, [*acks, head + tail])
+        elif acks:
+            self._do(self._send_commands, acks)
+        return got
+
+    def _take_ahead(self, key: tuple[tuple[str, ...], str] | None) -> _Ahead | None:
+        """The read sent ahead (for ``key``, or any with None), now the caller's."""
+        with self._lock:
+            ahead = self._ahead
+            if ahead is None or (key is not None and ahead.key != key):
+                return None
+            self._ahead = None
+            return ahead
+
+    def _send_ahead(self, key: tuple[tuple[str, ...], str],
+                    origin: dict[str, tuple[str, bool]],
+                    commands: list[Sequence[Any]]) -> None:
+        """Write ``commands`` (acks, then a read) on a pool connection kept until a
+        fetch or :meth:`close` reads their replies. A failure only costs the
+        read-ahead (the acks go back to the queue)."""
+        if self._closed.is_set():
+            return
+        conn = self._take_conn()
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+        except Exception:
+            self._give_conn(conn, broken=True)
+            log.warning("%s: read-ahead failed", self.consumer, exc_info=True)
+            if len(commands) > 1:
+                self._do(self._send_commands, commands[:-1])
+            return
+        with self._lock:
+            self._ahead = _Ahead(conn, key, origin, len(commands) - 1, time.monotonic())
+        if self._flusher is None:  # it hands back a read-ahead no fetch takes
+            with self._ack_lock:
+                self._wake_flusher()
+
+    def _finish_ahead(self, ahead: _Ahead) -> Any:
+        """The reply of a read sent ahead (None if it failed: its entries come back
+        after ``visibility_timeout``, at least once)."""
+        conn = ahead.conn
+        try:
+            refused: BaseException | None = None
+            for _ in range(ahead.acks):
+                try:
+                    conn.read_response()
+                except redis.ResponseError as exc:
+                    refused = exc
+            if refused is not None:
+                log.error("%s: redis refused acks (%s); those messages will be "
+                          "redelivered", self.consumer, refused)
+            reply = conn.read_response()
+        except Exception:
+            self._give_conn(conn, broken=True)
+            log.warning("%s: reading a read-ahead failed; its entries are redelivered "
+                        "after the visibility timeout", self.consumer, exc_info=True)
+            return None
+        self._give_conn(conn)
+        return reply
+
+    def _take_conn(self) -> Any:
+        """A connection for a read: one an earlier read kept, or a pool connection
+        (reads keep theirs: no pool round per fetch)."""
+        try:
+            return self._read_conns.pop()
+        except IndexError:
+            pass
+        pool = self._redis.connection_pool
+        try:
+            return pool.get_connection()
+        except TypeError:  # redis-py < 5.3 wants a command name
+            return pool.get_connection("XREADGROUP")
+
+    def _give_conn(self, conn: Any, broken: bool = False) -> None:
+        """Keep ``conn`` for the next read, or give it back to the pool (``broken``:
+        disconnected first, a reply may still be on the way; or closed)."""
+        if broken:
+            conn.disconnect()
+        if broken or self._closed.is_set():
+            self._redis.connection_pool.release(conn)
+        else:
+            self._read_conns.append(conn)
+
+    def _send_commands(self, commands: Sequence[Sequence[Any]]) -> None:
+        """One round trip for ``commands`` (no MULTI/EXEC)."""
+        if len(commands) == 1:
+            self._redis.execute_command(*commands[0])
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        pipe.execute()
+
+    def _hand_back_ahead(self, older_than: float | None = None) -> None:
+        """Read a read-ahead no fetch took (at all, or within ``older_than``
+        seconds) and hand its deliveries back."""
+        with self._lock:
+            ahead = self._ahead
+            if ahead is None or (older_than is not None
+                                 and time.monotonic() - ahead.since < older_than):
+                return
+            self._ahead = None
+        self._hand_back(self._messages(self._finish_ahead(ahead), ahead.origin,
+                                       ahead.key[1]))
 
     def _messages(self, reply: Any, origin: Mapping[str, tuple[str, bool]],
                   group: str) -> list[Message]:
@@ -884,6 +1022,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         receipt = _Receipt
         delivery = Delivery
         message_cls = Message
+        ms, timestamp = "", 0.0  # entries added in the same millisecond share it
         for stream_name, entries in reply.items() if isinstance(reply, dict) else reply:
             stream = stream_name if type(stream_name) is str else codec.text(stream_name)
             topic, retry = origin[stream]
@@ -894,9 +1033,11 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 if (type(entry_id) is bytes and type(fields) is list and len(fields) == 2
                         and fields[0] == b"body" and type(fields[1]) is bytes):
                     eid = entry_id.decode("ascii")
+                    head = eid.partition("-")[0]
+                    if head != ms:
+                        ms, timestamp = head, int(head) / 1000
                     append(message_cls(
-                        fields[1], id=prefix + eid, topic=topic,
-                        timestamp=int(entry_id[:entry_id.index(b"-")]) / 1000,
+                        fields[1], id=prefix + eid, topic=topic, timestamp=timestamp,
                         delivery=delivery(receipt(stream, eid, group, topic, retry))))
                     continue
                 message = slow(topic, stream, retry, group, entry_id, fields, 1)
@@ -913,11 +1054,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
         An ack Redis refuses is logged (that delivery is redelivered after
         ``visibility_timeout``: at least once) and does not fail the read."""
-        pool = self._redis.connection_pool
-        try:
-            conn = pool.get_connection()
-        except TypeError:  # redis-py < 5.3 wants a command name
-            conn = pool.get_connection("XREADGROUP")
+        conn = self._take_conn()
         refused: BaseException | None = None
         try:
             conn.send_packed_command(conn.pack_commands([*acks, ("CLIENT", "ID"), args]))
@@ -929,11 +1066,11 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             read.client_id = int(conn.read_response())
             reply = conn.read_response()
         except BaseException:
-            conn.disconnect()  # a reply may still be on the way: never reuse it
-            raise
-        finally:
             read.client_id = None
-            pool.release(conn)
+            self._give_conn(conn, broken=True)  # a reply may still be on the way
+            raise
+        read.client_id = None
+        self._give_conn(conn)
         if refused is not None:
             log.error("%s: redis refused acks (%s); those messages will be redelivered",
                       self.consumer, refused)
