@@ -22,11 +22,21 @@ Guarantees:
   consumer meanwhile does nothing.
 * Retries are never delivered before their delay (Redis server time) and reach only
   the group that nacked them.
-* Acks are batched: :meth:`RedisStreamsBroker.ack` queues the ack, and queued acks go
-  to Redis in one round trip at the next fetch, when ``ack_batch`` are queued, or
-  ``ack_flush_interval`` seconds later (and on :meth:`RedisStreamsBroker.close`). A
-  crash loses at most that window of acks: those messages are redelivered (at least
-  once), never lost. ``ack_flush_interval=0`` sends each ack at once.
+* Acks are batched: :meth:`RedisStreamsBroker.ack` queues the ack of a settled
+  delivery (nothing else is ever acked), and queued acks go to Redis in the same write
+  as the next fetch's XREADGROUP (no round trip of their own), from the flusher thread
+  ``ack_flush_interval`` seconds later or as soon as ``ack_batch`` are queued, and on
+  :meth:`RedisStreamsBroker.close`. A crash loses at most that window of acks: those
+  messages are redelivered (at least once), never lost. ``ack_flush_interval=0`` sends
+  each ack at once.
+* Read-ahead: under a backlog (a read filled its count, soon after the previous one)
+  the next XREADGROUP is written right away, without BLOCK and with the queued acks,
+  and the next fetch takes its reply: Redis prepares the next batch while the handlers
+  run. Those entries are pending deliveries of this consumer like the fetched ones;
+  :meth:`RedisStreamsBroker.close` hands back any that no fetch took, and so does the
+  flusher thread after ``read_ahead_hold`` seconds (a consumer stopped without closing
+  its broker). ``read_ahead=False`` turns it off (it is off with
+  ``ack_flush_interval=0``).
 
 * Ids: ``message.id`` is ``"<topic>/<entry id>"`` (what :meth:`publish` returns):
   unique across messages and streams, and kept by every redelivery (a retry copy
@@ -358,9 +368,14 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         start_id: where a new group starts reading: ``"0"`` (the whole stream, the
             default) or ``"$"`` (only messages added from now on).
         ack_flush_interval: longest an ack waits in the batch (seconds; 0: no batch).
-        ack_batch: queued acks that trigger a flush.
+        ack_batch: queued acks that wake the flusher at once (a backstop: a fetch
+            takes every queued ack along with its read).
         promote_interval: how often a fetch moves due delayed retries into the retry
             stream (seconds; a retry is at most this late).
+        read_ahead: read the next batch ahead under a backlog (see the module
+            docstring).
+        read_ahead_hold: seconds a read-ahead no fetch takes stays pending under this
+            consumer before the flusher hands it back.
     """
 
     @renamed_arguments(client_or_url="url")
@@ -545,7 +560,11 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
-        self._queue_acks([receipt_of(message, _Receipt, _OWNER) for message in messages])
+        receipts = [message.delivery.receipt for message in messages]
+        for receipt, message in zip(receipts, messages, strict=True):
+            if type(receipt) is not _Receipt:
+                receipt_of(message, _Receipt, _OWNER)  # raises the usual error
+        self._queue_acks(receipts)
 
     def _queue_acks(self, receipts: list[_Receipt]) -> None:
         """Send the acks now (no batching) or queue them for the next fetch (which
