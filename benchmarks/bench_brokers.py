@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from _bench import bench_line
@@ -142,11 +143,20 @@ def redis_round(url: str, n: int, parser: str = "python") -> dict[str, float]:
             pipe.xadd(stream, {"body": str(i).encode()})
         pipe.execute()
         times: dict[str, float] = {}
+
+        def timed_cpu(key: str, run: Callable[[], float]) -> None:
+            """Wall seconds under ``key``, this process's CPU seconds (all threads;
+            the Redis server's own work excluded) under ``key + "_cpu"``."""
+            cpu = time.process_time()
+            times[key] = run()
+            times[key + "_cpu"] = time.process_time() - cpu
+
         for name, (per_message, batch) in RAW_LOOPS.items():
-            times[name] = raw_loop(client, stream, name, n, per_message, batch)
+            timed_cpu(name, partial(raw_loop, client, stream, name, n, per_message, batch))
         broker = RedisStreamsBroker(client)
-        times["ours"] = consume_all(broker, stream, "ours", n)
-        times["ours_batch"] = consume_all(broker, stream, "ours_batch", n, batch=True)
+        timed_cpu("ours", partial(consume_all, broker, stream, "ours", n))
+        timed_cpu("ours_batch", partial(consume_all, broker, stream, "ours_batch", n,
+                                        batch=True))
         broker.close()
         for group in ("ours", "ours_batch"):
             assert client.xpending(stream, group)["pending"] == 0
@@ -395,9 +405,16 @@ def compare(name: str, service: str, run: Callable[..., dict[str, float]], n: in
             ratio = ours_rate / raw_rate
             print(f"{name}: {our_label} {ours_rate:,.0f} msg/s, {label} {raw_rate:,.0f} "
                   f"msg/s, ratio {ratio:.2f} (best of {repeats})")
+            cpu: dict[str, float] = {}
+            if f"{ours}_cpu" in best and f"{key}_cpu" in best:
+                cpu = {"cpu_us_per_msg_ours": round(best[f"{ours}_cpu"] / n * 1e6, 2),
+                       "cpu_us_per_msg_baseline": round(best[f"{key}_cpu"] / n * 1e6, 2)}
+                print(f"{name}:   client CPU per message (least of {repeats}): "
+                      f"{cpu['cpu_us_per_msg_ours']:.2f} us vs "
+                      f"{cpu['cpu_us_per_msg_baseline']:.2f} us")
             metric = f"throughput_msgs_per_s{suffix}_vs_{key.removesuffix('_batch_handler')}"
             bench_line(name, metric, ours_rate, raw_rate, ratio, f">= {goal:g}",
-                       ratio >= goal, messages=n, repeats=repeats, **options)
+                       ratio >= goal, messages=n, repeats=repeats, **options, **cpu)
 
 
 REDIS_BASELINES = {
