@@ -200,6 +200,23 @@ def test_a_read_ahead_is_taken_by_the_next_fetch_or_handed_back_on_close(
     other.close()
 
 
+def test_groups_sharing_a_broker_read_ahead_each_and_get_every_entry_once(
+        fake: Any) -> None:
+    broker = broker_on(fake, read_ahead_hold=60)
+    for i in range(9):
+        broker.publish("s", str(i).encode())
+    got: dict[str, list[bytes]] = {"g1": [], "g2": []}
+    for _ in range(6):  # interleaved: each group's read-ahead is its own
+        for group in got:
+            batch = broker.fetch("s", group, max_messages=2, timeout=0)
+            got[group] += [m.raw_body for m in batch]
+            broker.ack_many(batch)
+    expected = [str(i).encode() for i in range(9)]
+    assert got == {"g1": expected, "g2": expected}
+    broker.close()
+    assert fake.xpending("s", "g1")["pending"] == fake.xpending("s", "g2")["pending"] == 0
+
+
 def test_a_read_ahead_no_fetch_takes_is_handed_back_after_the_hold(fake: Any) -> None:
     broker = broker_on(fake, read_ahead_hold=0.4)
     for i in range(4):

@@ -400,7 +400,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self._overflow: list[Message] = []
         self.read_ahead = read_ahead
         self.read_ahead_hold = read_ahead_hold
-        self._ahead: _Ahead | None = None
+        #: Reads sent ahead, by (topics, group); None while one is being sent.
+        self._aheads: dict[tuple[tuple[str, ...], str], _Ahead | None] = {}
         self._last_read = float("-inf")  # monotonic time of the last read
         self._read_conns: list[Any] = []  # pool connections kept by reads
         self._closed = threading.Event()
@@ -531,7 +532,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 return out
             block = None if out or wait <= 0 else max(1, int(wait * 1000))
             got = self._recovering(topics, group, self._read, topics, group, remaining,
-                                   block, read, _ack_commands(acks) if acks else ())
+                                   block, read, acks)
         except BaseException:
             self._requeue_acks(acks)  # sent or not: an XACK sent twice is harmless
             raise
@@ -780,7 +781,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 return  # close() sends what is left
             try:
                 self._flush()
-                if self._ahead is not None:
+                if self._aheads:
                     self._hand_back_ahead(older_than=self.read_ahead_hold)
             except Exception as exc:
                 if self._closed.is_set():  # close() is waiting: it raises this
@@ -881,9 +882,9 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def _read(self, topics: Sequence[str], group: str, count: int,
               block: int | None, read: _Read,
-              acks: Sequence[tuple[Any, ...]] = ()) -> list[Message]:
-        """XREADGROUP of new entries (``acks``, commands from :func:`_ack_commands`,
-        go first in the same write: one round trip).
+              acks: Sequence[_Receipt] = ()) -> list[Message]:
+        """XREADGROUP of new entries; the queued ``acks`` go in the same write (one
+        round trip for both).
 
         Read-ahead: when a read fills ``count`` (a backlog) less than a quarter of
         ``read_ahead_hold`` after the previous read (a consumer keeping up), the next
@@ -893,7 +894,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         others: the next fetch takes them, :meth:`close` hands back what no fetch
         took, and so does the flusher thread when no fetch took them within
         ``read_ahead_hold`` seconds (a consumer stopped without closing its
-        broker)."""
+        broker). Once entries are read, nothing here raises: a failure to send the
+        acks puts them back in the queue."""
         streams: dict[str, str] = {}
         origin: dict[str, tuple[str, bool]] = {}
         for topic in topics:
@@ -911,48 +913,63 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             got = self._messages(self._finish_ahead(ahead), ahead.origin, group)
         if not got:
             args = head + (["BLOCK", block] if block is not None else []) + tail
-            reply = self._do(self._read_on_own_connection, args, read, acks)
+            reply = self._do(self._read_on_own_connection, args, read,
+                             _ack_commands(acks) if acks else ())
             acks = ()
             got = self._messages(reply, origin, group)
         now = time.monotonic()
         steady, self._last_read = now - self._last_read < self.read_ahead_hold / 4, now
-        if steady and len(got) >= count and self.read_ahead and self.ack_flush_interval > 0:
-            self._send_ahead(key, origin, [*acks, head + tail])
-        elif acks:
-            self._do(self._send_commands, acks)
+        if (steady and len(got) >= count and self.read_ahead
+                and self.ack_flush_interval > 0
+                and self._send_ahead(key, origin, acks, head + tail)):
+            return got
+        if acks:
+            try:
+                self._send_acks(acks)
+            except Exception:  # the entries are read: hand them out, ack later
+                log.warning("%s: sending acks failed; queued again", self.consumer,
+                            exc_info=True)
+                self._requeue_acks(list(acks))
         return got
 
-    def _take_ahead(self, key: tuple[tuple[str, ...], str] | None) -> _Ahead | None:
-        """The read sent ahead (for ``key``, or any with None), now the caller's."""
+    def _take_ahead(self, key: tuple[tuple[str, ...], str]) -> _Ahead | None:
+        """The read sent ahead for ``key``, now the caller's (None if there is none,
+        or it is still being sent)."""
         with self._lock:
-            ahead = self._ahead
-            if ahead is None or (key is not None and ahead.key != key):
+            ahead = self._aheads.get(key)
+            if ahead is None:
                 return None
-            self._ahead = None
+            del self._aheads[key]
             return ahead
 
     def _send_ahead(self, key: tuple[tuple[str, ...], str],
-                    origin: dict[str, tuple[str, bool]],
-                    commands: list[Sequence[Any]]) -> None:
-        """Write ``commands`` (acks, then a read) on a pool connection kept until a
-        fetch or :meth:`close` reads their replies. A failure only costs the
-        read-ahead (the acks go back to the queue)."""
-        if self._closed.is_set():
-            return
+                    origin: dict[str, tuple[str, bool]], acks: Sequence[_Receipt],
+                    read: list[Any]) -> bool:
+        """Write the ``acks`` and then ``read`` on a connection kept until a fetch
+        (or :meth:`close`, or the flusher) reads their replies. False, and nothing
+        sent, when ``key`` has a read-ahead already (several consumers sharing this
+        broker) or the write failed."""
+        with self._lock:
+            if self._closed.is_set() or key in self._aheads:
+                return False
+            self._aheads[key] = None  # reserved
         conn = self._take_conn()
+        commands = [*(_ack_commands(acks) if acks else ()), read]
         try:
             conn.send_packed_command(conn.pack_commands(commands))
         except Exception:
             self._give_conn(conn, broken=True)
+            with self._lock:
+                self._aheads.pop(key, None)
             log.warning("%s: read-ahead failed", self.consumer, exc_info=True)
-            if len(commands) > 1:
-                self._do(self._send_commands, commands[:-1])
-            return
+            return False
         with self._lock:
-            self._ahead = _Ahead(conn, key, origin, len(commands) - 1, time.monotonic())
+            self._aheads[key] = _Ahead(conn, key, origin, len(commands) - 1,
+                                       time.monotonic())
         if self._flusher is None:  # it hands back a read-ahead no fetch takes
             with self._ack_lock:
                 self._wake_flusher()
+        return True
 
     def _finish_ahead(self, ahead: _Ahead) -> Any:
         """The reply of a read sent ahead (None if it failed: its entries come back
@@ -976,6 +993,19 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             return None
         self._give_conn(conn)
         return reply
+
+    def _hand_back_ahead(self, older_than: float | None = None) -> None:
+        """Read the read-aheads no fetch took (at all, or within ``older_than``
+        seconds) and hand their deliveries back."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [a for a in self._aheads.values() if a is not None and
+                     (older_than is None or now - a.since >= older_than)]
+            for ahead in stale:
+                del self._aheads[ahead.key]
+        for ahead in stale:
+            self._hand_back(self._messages(self._finish_ahead(ahead), ahead.origin,
+                                           ahead.key[1]))
 
     def _take_conn(self) -> Any:
         """A connection for a read: one an earlier read kept, or a pool connection
@@ -1009,18 +1039,6 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         for command in commands:
             pipe.execute_command(*command)
         pipe.execute()
-
-    def _hand_back_ahead(self, older_than: float | None = None) -> None:
-        """Read a read-ahead no fetch took (at all, or within ``older_than``
-        seconds) and hand its deliveries back."""
-        with self._lock:
-            ahead = self._ahead
-            if ahead is None or (older_than is not None
-                                 and time.monotonic() - ahead.since < older_than):
-                return
-            self._ahead = None
-        self._hand_back(self._messages(self._finish_ahead(ahead), ahead.origin,
-                                       ahead.key[1]))
 
     def _messages(self, reply: Any, origin: Mapping[str, tuple[str, bool]],
                   group: str) -> list[Message]:
