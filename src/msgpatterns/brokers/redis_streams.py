@@ -1064,7 +1064,13 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             stream = stream_name if type(stream_name) is str else codec.text(stream_name)
             topic, retry = origin[stream]
             prefix = topic + "/"
-            for entry_id, fields in entries:
+            # Taken off the reply one by one, so each entry's lists are freed as soon
+            # as its Message exists: fewer live objects for the garbage collector to
+            # scan and promote while the batch is built.
+            entries.reverse()
+            pop = entries.pop
+            while entries:
+                entry_id, fields = pop()
                 if fields is None:  # deleted (trimmed) while pending
                     continue
                 if (type(entry_id) is bytes and type(fields) is list and len(fields) == 2
