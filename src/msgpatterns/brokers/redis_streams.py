@@ -547,17 +547,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         receipt = message.delivery.receipt
         if type(receipt) is not _Receipt:
             receipt = receipt_of(message, _Receipt, _OWNER)  # raises the usual error
-        if self.ack_flush_interval <= 0:
-            self._check_open()
-            self._send_acks([receipt])
-            return
-        with self._ack_lock:
-            if self._closed.is_set():  # under the lock: close() flushes what got queued
-                raise BrokerClosed(f"{self!r} is closed")
-            acks = self._acks
-            acks.append(receipt)
-            if len(acks) >= self.ack_batch or self._flusher is None:
-                self._wake_flusher()
+        self._queue_acks((receipt,))
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
@@ -567,7 +557,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 receipt_of(message, _Receipt, _OWNER)  # raises the usual error
         self._queue_acks(receipts)
 
-    def _queue_acks(self, receipts: list[_Receipt]) -> None:
+    def _queue_acks(self, receipts: Sequence[_Receipt]) -> None:
         """Send the acks now (no batching) or queue them for the next fetch (which
         sends them in the same write as its read) or the flusher thread, whichever
         comes first."""
