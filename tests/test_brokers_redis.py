@@ -148,6 +148,91 @@ def test_reads_never_handed_out_go_back_on_close_without_counting(fake: Any) -> 
     assert {m.raw_body for m in first + rest} == {b"1", b"2"}
 
 
+def _pending_ids(client: Any, stream: str, group: str) -> set[str]:
+    return {p["message_id"].decode() for p in client.xpending_range(stream, group, "-", "+", 100)}
+
+
+def test_queued_acks_ride_with_the_next_read_and_only_settled_ones(fake: Any) -> None:
+    broker = broker_on(fake, ack_flush_interval=60)  # only a fetch sends the acks
+    ids = [broker.publish("s", str(i).encode()).split("/", 1)[1] for i in range(3)]
+    got = drain(broker, "s", "g", count=3)
+    broker.ack(got[0])  # settled; the other two are still being handled
+    assert _pending_ids(fake, "s", "g") == set(ids)  # queued, not sent
+    assert broker.fetch("s", "g", max_messages=10, timeout=0) == []
+    assert _pending_ids(fake, "s", "g") == set(ids[1:])  # sent with that read, alone
+    broker.ack_many(got[1:])
+    broker.close()  # flushes the rest
+    assert _pending_ids(fake, "s", "g") == set()
+
+
+def test_a_malformed_entry_mid_batch_is_dead_lettered_the_rest_consumed_once(
+        fake: Any) -> None:
+    broker = broker_on(fake)
+    broker.publish("s", b"first")
+    bad = fake.xadd("s", {"body": b"x", "headers": b"not json"}).decode()
+    broker.publish("s", b"last")
+    got = broker.fetch("s", "g", max_messages=10, timeout=0.1)
+    assert [m.raw_body for m in got] == [b"first", b"last"]
+    [dead] = broker.list_dead_letters("s")
+    assert dead.message.id == f"s/{bad}" and "undecodable" in dead.reason
+    broker.ack_many(got)
+    broker.flush()
+    assert fake.xpending("s", "g")["pending"] == 0
+    assert drain(broker, "s", "g", within=0.2) == []  # nothing comes back
+    broker.close()
+
+
+def test_a_read_ahead_is_taken_by_the_next_fetch_or_handed_back_on_close(
+        fake: Any) -> None:
+    broker = broker_on(fake, read_ahead_hold=60)
+    ids = [broker.publish("s", str(i).encode()).split("/", 1)[1] for i in range(7)]
+    first = broker.fetch("s", "g", max_messages=2, timeout=0)
+    second = broker.fetch("s", "g", max_messages=2, timeout=0)  # full, steady: reads ahead
+    assert _pending_ids(fake, "s", "g") == set(ids[:6])  # 4 handed out, 2 read ahead
+    third = broker.fetch("s", "g", max_messages=2, timeout=0)  # takes the read-ahead
+    assert [m.raw_body for m in first + second + third] == [str(i).encode() for i in range(6)]
+    broker.ack_many(first + second + third)
+    broker.close()  # the next read-ahead (entry 6) goes back, its attempt unchanged
+    assert fake.xpending("s", "g")["pending"] == 0
+    other = broker_on(fake)
+    [rest] = drain(other, "s", "g", count=1)
+    assert (rest.raw_body, rest.attempt, rest.id) == (b"6", 1, f"s/{ids[6]}")
+    other.close()
+
+
+def test_groups_sharing_a_broker_read_ahead_each_and_get_every_entry_once(
+        fake: Any) -> None:
+    broker = broker_on(fake, read_ahead_hold=60)
+    for i in range(9):
+        broker.publish("s", str(i).encode())
+    got: dict[str, list[bytes]] = {"g1": [], "g2": []}
+    for _ in range(6):  # interleaved: each group's read-ahead is its own
+        for group in got:
+            batch = broker.fetch("s", group, max_messages=2, timeout=0)
+            got[group] += [m.raw_body for m in batch]
+            broker.ack_many(batch)
+    expected = [str(i).encode() for i in range(9)]
+    assert got == {"g1": expected, "g2": expected}
+    broker.close()
+    assert fake.xpending("s", "g1")["pending"] == fake.xpending("s", "g2")["pending"] == 0
+
+
+def test_a_read_ahead_no_fetch_takes_is_handed_back_after_the_hold(fake: Any) -> None:
+    broker = broker_on(fake, read_ahead_hold=0.4)
+    for i in range(4):
+        broker.publish("s", str(i).encode())
+    got = broker.fetch("s", "g", max_messages=2, timeout=0)
+    got += broker.fetch("s", "g", max_messages=1, timeout=0)  # reads 1 ahead
+    broker.ack_many(got)  # starts the flusher; then this consumer stops fetching
+    eventually(lambda: fake.xpending("s", "g")["pending"] == 0, timeout=5,
+               message="the flusher hands the unread read-ahead back")
+    other = broker_on(fake)
+    [rest] = drain(other, "s", "g", count=1)
+    assert (rest.raw_body, rest.attempt) == (b"3", 1)
+    other.close()
+    broker.close()
+
+
 # -- real crashes on the real server -------------------------------------------------
 
 

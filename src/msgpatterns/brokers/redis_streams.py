@@ -22,11 +22,21 @@ Guarantees:
   consumer meanwhile does nothing.
 * Retries are never delivered before their delay (Redis server time) and reach only
   the group that nacked them.
-* Acks are batched: :meth:`RedisStreamsBroker.ack` queues the ack, and queued acks go
-  to Redis in one round trip at the next fetch, when ``ack_batch`` are queued, or
-  ``ack_flush_interval`` seconds later (and on :meth:`RedisStreamsBroker.close`). A
-  crash loses at most that window of acks: those messages are redelivered (at least
-  once), never lost. ``ack_flush_interval=0`` sends each ack at once.
+* Acks are batched: :meth:`RedisStreamsBroker.ack` queues the ack of a settled
+  delivery (nothing else is ever acked), and queued acks go to Redis in the same write
+  as the next fetch's XREADGROUP (no round trip of their own), from the flusher thread
+  ``ack_flush_interval`` seconds later or as soon as ``ack_batch`` are queued, and on
+  :meth:`RedisStreamsBroker.close`. A crash loses at most that window of acks: those
+  messages are redelivered (at least once), never lost. ``ack_flush_interval=0`` sends
+  each ack at once.
+* Read-ahead: under a backlog (a read filled its count, soon after the previous one)
+  the next XREADGROUP is written right away, without BLOCK and with the queued acks,
+  and the next fetch takes its reply: Redis prepares the next batch while the handlers
+  run. Those entries are pending deliveries of this consumer like the fetched ones;
+  :meth:`RedisStreamsBroker.close` hands back any that no fetch took, and so does the
+  flusher thread after ``read_ahead_hold`` seconds (a consumer stopped without closing
+  its broker). ``read_ahead=False`` turns it off (it is off with
+  ``ack_flush_interval=0``).
 
 * Ids: ``message.id`` is ``"<topic>/<entry id>"`` (what :meth:`publish` returns):
   unique across messages and streams, and kept by every redelivery (a retry copy
@@ -80,7 +90,7 @@ from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers._reconnect import reconnect_backoff, reconnecting
 from msgpatterns.deadletter import DeadLetter, body_bytes
-from msgpatterns.delivery import receipt_of
+from msgpatterns.delivery import Delivery, receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -182,6 +192,30 @@ def _b(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
 
 
+def _ack_commands(batch: Sequence[_Receipt]) -> list[tuple[Any, ...]]:
+    """The commands that settle ``batch``: one XACK per stream and group (plus an XDEL
+    of retry-stream entries, which are never read again once acked)."""
+    first = batch[0]
+    stream, group, retry = first.stream, first.group, first.retry
+    for r in batch:  # the common case: every ack is for one stream and group
+        if r.stream != stream or r.group != group or r.retry is not retry:
+            break
+    else:
+        ids = [r.entry_id for r in batch]
+        if retry:
+            return [("XACK", stream, group, *ids), ("XDEL", stream, *ids)]
+        return [("XACK", stream, group, *ids)]
+    by_stream: dict[tuple[str, str, bool], list[str]] = {}
+    for r in batch:
+        by_stream.setdefault((r.stream, r.group, r.retry), []).append(r.entry_id)
+    commands: list[tuple[Any, ...]] = []
+    for (stream, group, retry), ids in by_stream.items():
+        commands.append(("XACK", stream, group, *ids))
+        if retry:
+            commands.append(("XDEL", stream, *ids))
+    return commands
+
+
 def _pack(parts: Sequence[bytes]) -> bytes:
     """Netstrings the _PROMOTE script unpacks."""
     return b"".join(b"%d:%s" % (len(p), p) for p in parts)
@@ -258,6 +292,18 @@ class _Read:
     client_id: int | None = None
 
 
+@dataclass(eq=False, slots=True)
+class _Ahead:
+    """An XREADGROUP sent ahead of the fetch that takes it: its connection, with the
+    replies of ``acks`` ack commands and then the read's reply still to come."""
+
+    conn: Any
+    key: tuple[tuple[str, ...], str]
+    origin: dict[str, tuple[str, bool]]
+    acks: int
+    since: float
+
+
 class StreamsSettings:
     """The settings and per-group bookkeeping every Redis Streams adapter (sync and
     async) starts with: one place for their meaning and defaults."""
@@ -322,9 +368,14 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         start_id: where a new group starts reading: ``"0"`` (the whole stream, the
             default) or ``"$"`` (only messages added from now on).
         ack_flush_interval: longest an ack waits in the batch (seconds; 0: no batch).
-        ack_batch: queued acks that trigger a flush.
+        ack_batch: queued acks that wake the flusher at once (a backstop: a fetch
+            takes every queued ack along with its read).
         promote_interval: how often a fetch moves due delayed retries into the retry
             stream (seconds; a retry is at most this late).
+        read_ahead: read the next batch ahead under a backlog (see the module
+            docstring).
+        read_ahead_hold: seconds a read-ahead no fetch takes stays pending under this
+            consumer before the flusher hands it back.
     """
 
     @renamed_arguments(client_or_url="url")
@@ -339,12 +390,20 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         dead_letter_maxlen: int | None = None,
         start_id: str = "0",
         ack_flush_interval: float = 0.05,
-        ack_batch: int = 256,
+        ack_batch: int = 1024,
         promote_interval: float = 0.05,
+        read_ahead: bool = True,
+        read_ahead_hold: float = 1.0,
     ) -> None:
         self._configure(url, redis.Redis, locals())  # the options, by their names
         self._lock = threading.Lock()
         self._overflow: list[Message] = []
+        self.read_ahead = read_ahead
+        self.read_ahead_hold = read_ahead_hold
+        #: Reads sent ahead, by (topics, group); None while one is being sent.
+        self._aheads: dict[tuple[tuple[str, ...], str], _Ahead | None] = {}
+        self._last_read = float("-inf")  # monotonic time of the last read
+        self._read_conns: list[Any] = []  # pool connections kept by reads
         self._closed = threading.Event()
         self._retrying = reconnecting(
             _CONNECTION_ERRORS, logger=log, what="redis call", attempts=5,
@@ -354,7 +413,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self.ack_batch = max(1, ack_batch)
         self._acks: list[_Receipt] = []
         self._ack_lock = threading.Lock()
-        self._ack_wake = threading.Event()
+        self._ack_full = threading.Event()  # wakes the flusher (full batch, close)
         self._flusher: threading.Thread | None = None
         self._flush_error: Exception | None = None
         self._fetches: set[_Read] = set()
@@ -450,42 +509,58 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
     def _fetch(self, topics: Sequence[str], group: str, max_messages: int,
                timeout: float, read: _Read) -> list[Message]:
         self._ensure_groups(topics, group)
-        self._flush()
-        out = self._take_overflow(topics, group, max_messages)
-        wait = timeout
-        now = time.monotonic()
-        for topic in topics:
-            slot = (topic, group)
-            if now >= self._promote_at.get(slot, 0.0):
-                self._recovering(topics, group, self._promote, topic, group,
-                                 max(max_messages, 100), now)
-            due = self._next_due.get(slot)
-            if due is not None:  # block no longer than until a known retry is due
-                wait = min(wait, max(0.0, due - now))
-        if len(out) < max_messages:
-            out.extend(self._recovering(topics, group, self._claim_stale, topics, group,
-                                        max_messages - len(out)))
-        remaining = max_messages - len(out)
-        if remaining > 0:
+        acks = self._take_acks()  # sent with the read below: one round trip for both
+        try:
+            out = self._take_overflow(topics, group, max_messages)
+            wait = timeout
+            now = time.monotonic()
+            for topic in topics:
+                slot = (topic, group)
+                if now >= self._promote_at.get(slot, 0.0):
+                    self._recovering(topics, group, self._promote, topic, group,
+                                     max(max_messages, 100), now)
+                due = self._next_due.get(slot)
+                if due is not None:  # block no longer than until a known retry is due
+                    wait = min(wait, max(0.0, due - now))
+            if len(out) < max_messages:
+                out.extend(self._recovering(topics, group, self._claim_stale, topics,
+                                            group, max_messages - len(out)))
+            remaining = max_messages - len(out)
+            if remaining <= 0:
+                if acks:
+                    self._send_acks(acks)
+                return out
             block = None if out or wait <= 0 else max(1, int(wait * 1000))
             got = self._recovering(topics, group, self._read, topics, group, remaining,
-                                   block, read)
-            out.extend(got[:remaining])
-            if len(got) > remaining:
-                with self._lock:
-                    self._overflow.extend(got[remaining:])
+                                   block, read, acks)
+        except BaseException:
+            self._requeue_acks(acks)  # sent or not: an XACK sent twice is harmless
+            raise
+        out.extend(got[:remaining])
+        if len(got) > remaining:
+            with self._lock:
+                self._overflow.extend(got[remaining:])
         return out
 
     def ack(self, message: Message) -> None:
         """Queue the ack (see the batching note above); :meth:`flush` sends it now."""
-        self._queue_acks([receipt_of(message, _Receipt, _OWNER)])
+        receipt = message.delivery.receipt
+        if type(receipt) is not _Receipt:
+            receipt = receipt_of(message, _Receipt, _OWNER)  # raises the usual error
+        self._queue_acks((receipt,))
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
-        self._queue_acks([receipt_of(message, _Receipt, _OWNER) for message in messages])
+        receipts = [message.delivery.receipt for message in messages]
+        for receipt, message in zip(receipts, messages, strict=True):
+            if type(receipt) is not _Receipt:
+                receipt_of(message, _Receipt, _OWNER)  # raises the usual error
+        self._queue_acks(receipts)
 
-    def _queue_acks(self, receipts: list[_Receipt]) -> None:
-        """Send the acks now (no batching) or queue them for the flusher thread."""
+    def _queue_acks(self, receipts: Sequence[_Receipt]) -> None:
+        """Send the acks now (no batching) or queue them for the next fetch (which
+        sends them in the same write as its read) or the flusher thread, whichever
+        comes first."""
         if self.ack_flush_interval <= 0:
             self._check_open()
             self._send_acks(receipts)
@@ -493,13 +568,30 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         with self._ack_lock:
             self._check_open()  # under the lock: close() flushes whatever got queued
             self._acks.extend(receipts)
-            full = len(self._acks) >= self.ack_batch
-            if self._flusher is None:
-                self._flusher = threading.Thread(target=self._flush_periodically,
-                                                 name=f"{self.consumer}-acks", daemon=True)
-                self._flusher.start()
-        if full:
-            self._flush()
+            if len(self._acks) >= self.ack_batch or self._flusher is None:
+                self._wake_flusher()
+
+    def _wake_flusher(self) -> None:
+        """Ack lock held: start the flusher thread, or wake it to send a full batch now
+        (off the caller's thread: a fetch coming first takes the batch along)."""
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_periodically,
+                                             name=f"{self.consumer}-acks", daemon=True)
+            self._flusher.start()
+        if len(self._acks) >= self.ack_batch:
+            self._ack_full.set()
+
+    def _take_acks(self) -> list[_Receipt]:
+        with self._ack_lock:
+            batch, self._acks = self._acks, []
+        return batch
+
+    def _requeue_acks(self, batch: list[_Receipt]) -> None:
+        """Put back acks taken by a fetch that failed before they surely reached Redis
+        (even after close(): it flushes them once the fetch has ended)."""
+        if batch:
+            with self._ack_lock:
+                self._acks[:0] = batch
 
     def flush(self) -> None:
         """Send every queued ack to Redis now."""
@@ -507,8 +599,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self._flush()
 
     def _flush(self) -> None:
-        with self._ack_lock:
-            batch, self._acks = self._acks, []
+        batch = self._take_acks()
         if batch:
             self._send_acks(batch)
 
@@ -569,13 +660,16 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             if self._closed.is_set():
                 return
             self._closed.set()
-        self._ack_wake.set()
+        self._ack_full.set()
         try:
             self._wake_fetches()
             with self._lock:
                 unused, self._overflow = self._overflow, []
             try:
-                self._hand_back(unused)
+                try:
+                    self._hand_back_ahead()
+                finally:
+                    self._hand_back(unused)
             finally:  # the acks go out even if a hand-back failed
                 if self._flusher is not None:
                     self._flusher.join(timeout=5)
@@ -583,6 +677,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 if self._flush_error is not None:  # the flusher's last batch failed
                     raise self._flush_error
         finally:
+            while self._read_conns:
+                self._redis.connection_pool.release(self._read_conns.pop())
             if self._owns_client:
                 self._redis.close()
 
@@ -669,11 +765,14 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def _flush_periodically(self) -> None:
         while not self._closed.is_set():
-            self._ack_wake.wait(self.ack_flush_interval)
+            self._ack_full.wait(self.ack_flush_interval)
+            self._ack_full.clear()  # before taking the batch: a later set is seen
             if self._closed.is_set():
                 return  # close() sends what is left
             try:
                 self._flush()
+                if self._aheads:
+                    self._hand_back_ahead(older_than=self.read_ahead_hold)
             except Exception as exc:
                 if self._closed.is_set():  # close() is waiting: it raises this
                     self._flush_error = exc
@@ -682,26 +781,10 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                               "redelivered", self.consumer)
 
     def _send_acks(self, batch: Sequence[_Receipt]) -> None:
-        """One round trip: XACK per stream (and XDEL for retry-stream entries)."""
-        by_stream: dict[tuple[str, str, bool], list[str]] = {}
-        for r in batch:
-            by_stream.setdefault((r.stream, r.group, r.retry), []).append(r.entry_id)
-
-        def send() -> None:
-            if len(by_stream) == 1 and not next(iter(by_stream))[2]:
-                (stream, group, _), ids = next(iter(by_stream.items()))
-                self._redis.xack(stream, group, *ids)  # the common case: one command
-                return
-            # XACK is idempotent and an acked retry entry is never read again (reads
-            # take new entries only), so these need no MULTI/EXEC around them.
-            pipe = self._redis.pipeline(transaction=False)
-            for (stream, group, retry), ids in by_stream.items():
-                pipe.xack(stream, group, *ids)
-                if retry:
-                    pipe.xdel(stream, *ids)
-            pipe.execute()
-
-        self._do(send)
+        """One round trip: XACK per stream (and XDEL for retry-stream entries).
+        XACK is idempotent and an acked retry entry is never read again (reads take
+        new entries only), so these need no MULTI/EXEC around them."""
+        self._do(self._send_commands, _ack_commands(batch))
 
     @staticmethod
     def _entry(body: bytes, headers: Mapping[str, str]) -> dict[str, Any]:
@@ -788,7 +871,21 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         return out
 
     def _read(self, topics: Sequence[str], group: str, count: int,
-              block: int | None, read: _Read) -> list[Message]:
+              block: int | None, read: _Read,
+              acks: Sequence[_Receipt] = ()) -> list[Message]:
+        """XREADGROUP of new entries; the queued ``acks`` go in the same write (one
+        round trip for both).
+
+        Read-ahead: when a read fills ``count`` (a backlog) less than a quarter of
+        ``read_ahead_hold`` after the previous read (a consumer keeping up), the next
+        XREADGROUP (without BLOCK) is written at once, with the acks queued by then,
+        and its reply left for the next fetch, so Redis prepares the next batch while
+        the handlers run. Those entries are this consumer's pending deliveries like any
+        others: the next fetch takes them, :meth:`close` hands back what no fetch
+        took, and so does the flusher thread when no fetch took them within
+        ``read_ahead_hold`` seconds (a consumer stopped without closing its
+        broker). Once entries are read, nothing here raises: a failure to send the
+        acks puts them back in the queue."""
         streams: dict[str, str] = {}
         origin: dict[str, tuple[str, bool]] = {}
         for topic in topics:
@@ -797,43 +894,220 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             streams[topic] = ">"
             origin[retry_key] = (topic, True)
             origin[topic] = (topic, False)
-        args: list[Any] = ["XREADGROUP", "GROUP", group, self.consumer, "COUNT", count]
-        if block is not None:
-            args += ["BLOCK", block]
-        args += ["STREAMS", *streams, *streams.values()]
-        reply = self._do(self._read_on_own_connection, args, read)
-        out: list[Message] = []
-        for stream_name, entries in reply.items() if isinstance(reply, dict) else reply or []:
-            stream = codec.text(stream_name)
-            topic, retry = origin[stream]
-            for entry in entries[0] if isinstance(reply, dict) else entries:
-                entry_id, fields = entry
-                if fields is None:  # trimmed while pending
-                    continue
-                message = self._message(topic, stream, retry, group, entry_id, fields, 1)
-                if message is not None:
-                    out.append(message)
-        return out
+        head: list[Any] = ["XREADGROUP", "GROUP", group, self.consumer, "COUNT", count]
+        tail = ["STREAMS", *streams, *streams.values()]
+        key = (tuple(topics), group)
+        got: list[Message] = []
+        ahead = self._take_ahead(key)
+        if ahead is not None:
+            got = self._messages(self._finish_ahead(ahead), ahead.origin, group)
+        if not got:
+            args = head + (["BLOCK", block] if block is not None else []) + tail
+            reply = self._do(self._read_on_own_connection, args, read,
+                             _ack_commands(acks) if acks else ())
+            acks = ()
+            got = self._messages(reply, origin, group)
+        now = time.monotonic()
+        steady, self._last_read = now - self._last_read < self.read_ahead_hold / 4, now
+        if (steady and len(got) >= count and self.read_ahead
+                and self.ack_flush_interval > 0
+                and self._send_ahead(key, origin, acks, head + tail)):
+            return got
+        if acks:
+            try:
+                self._send_acks(acks)
+            except Exception:  # the entries are read: hand them out, ack later
+                log.warning("%s: sending acks failed; queued again", self.consumer,
+                            exc_info=True)
+                self._requeue_acks(list(acks))
+        return got
 
-    def _read_on_own_connection(self, args: list[Any], read: _Read) -> Any:
-        """XREADGROUP on a pool connection whose client id :meth:`close` knows, so it
-        can wake it with CLIENT UNBLOCK (the reply, entries or none, always arrives).
-        CLIENT ID goes in the same write: no extra round trip."""
+    def _take_ahead(self, key: tuple[tuple[str, ...], str]) -> _Ahead | None:
+        """The read sent ahead for ``key``, now the caller's (None if there is none,
+        or it is still being sent)."""
+        with self._lock:
+            ahead = self._aheads.get(key)
+            if ahead is None:
+                return None
+            del self._aheads[key]
+            return ahead
+
+    def _send_ahead(self, key: tuple[tuple[str, ...], str],
+                    origin: dict[str, tuple[str, bool]], acks: Sequence[_Receipt],
+                    read: list[Any]) -> bool:
+        """Write the ``acks`` and then ``read`` on a connection kept until a fetch
+        (or :meth:`close`, or the flusher) reads their replies. False, and nothing
+        sent, when ``key`` has a read-ahead already (several consumers sharing this
+        broker) or the write failed."""
+        with self._lock:
+            if self._closed.is_set() or key in self._aheads:
+                return False
+            self._aheads[key] = None  # reserved
+        conn = self._take_conn()
+        commands = [*(_ack_commands(acks) if acks else ()), read]
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+        except Exception:
+            self._give_conn(conn, broken=True)
+            with self._lock:
+                self._aheads.pop(key, None)
+            log.warning("%s: read-ahead failed", self.consumer, exc_info=True)
+            return False
+        with self._lock:
+            self._aheads[key] = _Ahead(conn, key, origin, len(commands) - 1,
+                                       time.monotonic())
+        if self._flusher is None:  # it hands back a read-ahead no fetch takes
+            with self._ack_lock:
+                self._wake_flusher()
+        return True
+
+    def _finish_ahead(self, ahead: _Ahead) -> Any:
+        """The reply of a read sent ahead (None if it failed: its entries come back
+        after ``visibility_timeout``, at least once)."""
+        conn = ahead.conn
+        try:
+            refused: BaseException | None = None
+            for _ in range(ahead.acks):
+                try:
+                    conn.read_response()
+                except redis.ResponseError as exc:
+                    refused = exc
+            if refused is not None:
+                log.error("%s: redis refused acks (%s); those messages will be "
+                          "redelivered", self.consumer, refused)
+            reply = conn.read_response()
+        except Exception:
+            self._give_conn(conn, broken=True)
+            log.warning("%s: reading a read-ahead failed; its entries are redelivered "
+                        "after the visibility timeout", self.consumer, exc_info=True)
+            return None
+        self._give_conn(conn)
+        return reply
+
+    def _hand_back_ahead(self, older_than: float | None = None) -> None:
+        """Read the read-aheads no fetch took (at all, or within ``older_than``
+        seconds) and hand their deliveries back."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [a for a in self._aheads.values() if a is not None and
+                     (older_than is None or now - a.since >= older_than)]
+            for ahead in stale:
+                del self._aheads[ahead.key]
+        for ahead in stale:
+            self._hand_back(self._messages(self._finish_ahead(ahead), ahead.origin,
+                                           ahead.key[1]))
+
+    def _take_conn(self) -> Any:
+        """A connection for a read: one an earlier read kept, or a pool connection
+        (reads keep theirs: no pool round per fetch)."""
+        try:
+            return self._read_conns.pop()
+        except IndexError:
+            pass
         pool = self._redis.connection_pool
         try:
-            conn = pool.get_connection()
+            return pool.get_connection()
         except TypeError:  # redis-py < 5.3 wants a command name
-            conn = pool.get_connection("XREADGROUP")
+            return pool.get_connection("XREADGROUP")
+
+    def _give_conn(self, conn: Any, broken: bool = False) -> None:
+        """Keep ``conn`` for the next read, or give it back to the pool (``broken``:
+        disconnected first, a reply may still be on the way; or closed)."""
+        if broken:
+            conn.disconnect()
+        if broken or self._closed.is_set():
+            self._redis.connection_pool.release(conn)
+        else:
+            self._read_conns.append(conn)
+
+    def _send_commands(self, commands: Sequence[Sequence[Any]]) -> None:
+        """One round trip for ``commands`` (no MULTI/EXEC)."""
+        if len(commands) == 1:
+            self._redis.execute_command(*commands[0])
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        pipe.execute()
+
+    def _messages(self, reply: Any, origin: Mapping[str, tuple[str, bool]],
+                  group: str) -> list[Message]:
+        """The deliveries in an XREADGROUP reply as redis-py's connection hands it back
+        before any response callback (RESP2: ``[[stream, entries]...]``, RESP3:
+        ``{stream: entries}``; an entry is ``[id, [name, value, ...]]``, or
+        ``[id, None]`` when it was deleted while pending).
+
+        One tight loop: an entry of a single ``body`` field (what :meth:`publish`
+        writes without headers) becomes a Message here at once; any other entry goes
+        through :meth:`_message` (headers, foreign producers, malformed entries, which
+        are dead-lettered on their own while the rest are delivered)."""
+        out: list[Message] = []
+        if not reply:
+            return out
+        append = out.append
+        slow = self._message
+        receipt = _Receipt
+        delivery = Delivery
+        message_cls = Message
+        ms, timestamp = "", 0.0  # entries added in the same millisecond share it
+        for stream_name, entries in reply.items() if isinstance(reply, dict) else reply:
+            stream = stream_name if type(stream_name) is str else codec.text(stream_name)
+            topic, retry = origin[stream]
+            prefix = topic + "/"
+            # Taken off the reply one by one, so each entry's lists are freed as soon
+            # as its Message exists: fewer live objects for the garbage collector to
+            # scan and promote while the batch is built.
+            entries.reverse()
+            pop = entries.pop
+            while entries:
+                entry_id, fields = pop()
+                if fields is None:  # deleted (trimmed) while pending
+                    continue
+                if (type(entry_id) is bytes and type(fields) is list and len(fields) == 2
+                        and fields[0] == b"body" and type(fields[1]) is bytes):
+                    eid = entry_id.decode("ascii")
+                    head = eid.partition("-")[0]
+                    if head != ms:
+                        ms, timestamp = head, int(head) / 1000
+                    append(message_cls(
+                        fields[1], id=prefix + eid, topic=topic, timestamp=timestamp,
+                        delivery=delivery(receipt(stream, eid, group, topic, retry))))
+                    continue
+                message = slow(topic, stream, retry, group, entry_id, fields, 1)
+                if message is not None:
+                    append(message)
+        return out
+
+    def _read_on_own_connection(self, args: list[Any], read: _Read,
+                                acks: Sequence[tuple[Any, ...]] = ()) -> Any:
+        """``acks`` then XREADGROUP on a pool connection whose client id :meth:`close`
+        knows, so it can wake it with CLIENT UNBLOCK (the reply, entries or none,
+        always arrives). The acks and CLIENT ID go in the same write as the read: one
+        round trip. The XREADGROUP reply is returned raw (no response callback).
+
+        An ack Redis refuses is logged (that delivery is redelivered after
+        ``visibility_timeout``: at least once) and does not fail the read."""
+        conn = self._take_conn()
+        refused: BaseException | None = None
         try:
-            conn.send_packed_command(conn.pack_commands([("CLIENT", "ID"), args]))
-            read.client_id = int(self._redis.parse_response(conn, "CLIENT ID"))
-            return self._redis.parse_response(conn, "XREADGROUP")
+            conn.send_packed_command(conn.pack_commands([*acks, ("CLIENT", "ID"), args]))
+            for _ in acks:
+                try:
+                    conn.read_response()
+                except redis.ResponseError as exc:
+                    refused = exc
+            read.client_id = int(conn.read_response())
+            reply = conn.read_response()
         except BaseException:
-            conn.disconnect()  # a reply may still be on the way: never reuse it
-            raise
-        finally:
             read.client_id = None
-            pool.release(conn)
+            self._give_conn(conn, broken=True)  # a reply may still be on the way
+            raise
+        read.client_id = None
+        self._give_conn(conn)
+        if refused is not None:
+            log.error("%s: redis refused acks (%s); those messages will be redelivered",
+                      self.consumer, refused)
+        return reply
 
     def _message(self, topic: str, stream: str, retry: bool, group: str, entry_id: Any,
                  raw: Any, deliveries: int) -> Message | None:
