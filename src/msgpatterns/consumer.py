@@ -390,12 +390,13 @@ class Consumer(DriverBase):
 
     def _work(self) -> None:
         _own_thread.consumer = self
+        next_message, execute = self._fetcher.next, self._execute
         while True:
-            message: Message | None = self._fetcher.next()  # type: ignore[assignment]  # no _Claimed
+            message: Message | None = next_message()  # type: ignore[assignment]  # no _Claimed
             if message is None:
                 return
             try:
-                self._execute(message)
+                execute(message)
             except BaseException:  # the worker survives whatever happens
                 log.exception("%s: running message %s failed", self.name, message.id,
                               extra=self._log_extra(message))

@@ -21,12 +21,12 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.deadletter import DeadLetter
-from msgpatterns.delivery import receipt_of
+from msgpatterns.delivery import Delivery, receipt_of
 from msgpatterns.errors import MAX_DURATION, ConfigurationError, seconds
 from msgpatterns.message import Message
 
@@ -123,8 +123,9 @@ class _Entry:
     offset: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Receipt:
+class _Receipt(NamedTuple):
+    """One delivery's handle (immutable; a tuple: cheap to make per delivery)."""
+
     group: str
     topic: str
     uid: int
@@ -192,7 +193,8 @@ class InMemoryBroker(BrokerAdapter):
         self.published: list[Message] = []
         self._rng = random.Random(seed)
         self._seeded = seed is not None
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
+        self._cond = threading.Condition(self._lock)
         self._topics: dict[str, list[_Entry]] = {}
         self._lanes: dict[tuple[str, str], _Lane] = {}  # (group, topic) -> lane
         self._uids = itertools.count(1)
@@ -293,9 +295,12 @@ class InMemoryBroker(BrokerAdapter):
                 self._cond.wait(wait)
 
     def ack(self, message: Message) -> None:
-        receipt = receipt_of(message, _Receipt, _OWNER)
-        with self._cond:
-            self._check_open()
+        receipt = message.delivery.receipt
+        if type(receipt) is not _Receipt:
+            receipt = receipt_of(message, _Receipt, _OWNER)
+        with self._lock:  # the hot path: the bare lock (an ack wakes nobody)
+            if self._closed:
+                self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
             done = lane.done.get(receipt.uid)
             if done is not None:
@@ -313,7 +318,8 @@ class InMemoryBroker(BrokerAdapter):
             lane.done[receipt.uid] = ("acked", receipt.token)
             self.stats.acks += 1
             self._acked.append(message)
-            self._event("ack", message.id, receipt.group, message.attempt)
+            if self.record_history:
+                self._event("ack", message.id, receipt.group, message.attempt)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds (virtual). A negative, NaN, infinite or
@@ -484,38 +490,41 @@ class InMemoryBroker(BrokerAdapter):
         return due
 
     def _deliver(self, group: str, topic: str, lane: _Lane, now: float) -> Message:
-        window = min(self.reorder_window, len(lane.ready))
-        if window > 1:
-            index = self._rng.randrange(window)
-            entry = lane.ready[index]
-            del lane.ready[index]
+        ready = lane.ready
+        if self.reorder_window > 1 and len(ready) > 1:
+            index = self._rng.randrange(min(self.reorder_window, len(ready)))
+            entry = ready[index]
+            del ready[index]
         else:
-            entry = lane.ready.popleft()
-        attempt = lane.deliveries.get(entry.uid, 0) + 1
-        lane.deliveries[entry.uid] = attempt
+            entry = ready.popleft()
+        uid = entry.uid
+        attempt = lane.deliveries.get(uid, 0) + 1
+        lane.deliveries[uid] = attempt
         token = next(self._tokens)
         deadline = now + self.visibility_timeout
-        lane.inflight[entry.uid] = (token, deadline, entry)
-        heapq.heappush(lane.leases, (deadline, token, entry.uid))
-        self.stats.delivered += 1
+        lane.inflight[uid] = (token, deadline, entry)
+        heapq.heappush(lane.leases, (deadline, token, uid))
+        stats = self.stats
+        stats.delivered += 1
         if attempt > 1:
-            self.stats.redelivered += 1
-        self._event("deliver", entry.id, group, attempt)
+            stats.redelivered += 1
+        if self.record_history:
+            self._event("deliver", entry.id, group, attempt)
         if self.duplicate_rate and self._rng.random() < self.duplicate_rate:
             copy = _Entry(
                 next(self._uids), entry.id, entry.topic, entry.body, entry.key,
                 entry.headers, entry.timestamp, entry.offset,
             )
-            lane.ready.append(copy)
+            ready.append(copy)
             lane.entries += 1
-            self.stats.duplicates += 1
+            stats.duplicates += 1
             self._event("duplicate", entry.id, group, attempt)
-        message = self._to_message(entry, lane.headers.get(entry.uid, entry.headers), attempt)
-        message.receipt = _Receipt(group, topic, entry.uid, token)
-        return message
+        return self._to_message(entry, lane.headers.get(uid, entry.headers), attempt,
+                                Delivery(_Receipt(group, topic, uid, token)))
 
     @staticmethod
-    def _to_message(entry: _Entry, headers: Mapping[str, str], attempt: int) -> Message:
+    def _to_message(entry: _Entry, headers: Mapping[str, str], attempt: int,
+                    delivery: Delivery[_Receipt] | None = None) -> Message:
         return Message(
             entry.body,
             id=entry.id,
@@ -526,6 +535,7 @@ class InMemoryBroker(BrokerAdapter):
             attempt=attempt,
             partition=0,
             offset=entry.offset,
+            delivery=delivery,
         )
 
     def _event(self, kind: str, message_id: str | None, group: str, attempt: int,

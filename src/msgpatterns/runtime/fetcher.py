@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from msgpatterns.delivery import SettleCallback
+from msgpatterns.delivery import Delivery, SettleCallback
 from msgpatterns.errors import BrokerClosed
 from msgpatterns.message import Message
 from msgpatterns.runtime.clock import Clock
@@ -133,9 +133,7 @@ class Fetcher:
                     stopping = False
                     self.fetching = False
                     if messages:
-                        sink = self.sink
-                        for message in messages:
-                            message.delivery.bind(sink)
+                        Delivery.bind_all(messages, self.sink)
                         self.stats.fetched += len(messages)
                         self.slots.take(messages)
                         self.reporter.count({"fetched": len(messages)})
@@ -238,6 +236,13 @@ class Fetcher:
             self.wake()
         if give_back:  # stopped meanwhile: give it back
             run_sync(self.settler.hand_back([message]), self.broker, None)
+
+    def free_one_acked(self, message: Message) -> None:
+        """One successful delivery was acked: free its slot (the hot path)."""
+        with self.lock:
+            self.slots.free_one_acked(message)
+            if self._waiting:
+                self.cond.notify_all()
 
     def free_acked(self, messages: Iterable[Message]) -> None:
         """Successful deliveries were acked: free their slots."""

@@ -63,10 +63,7 @@ class ThreadSettling:
             except Exception as failure:
                 self._ack_failed(message, failure)
                 return
-            fetcher = self.fetcher
-            with fetcher.lock:
-                fetcher.slots.free_one_acked(message)
-                fetcher.wake()
+            self.fetcher.free_one_acked(message)
             return
         settled = Settled(["broker_errors"])
         try:
