@@ -102,6 +102,20 @@ class Delivery(Generic[R]):
             self.error = None
             return True
 
+    @staticmethod
+    def settle_all_quietly(messages: Iterable[Message]) -> list[Message]:
+        """:meth:`settle_quietly` each of ``messages``; those it settled (in order)."""
+        won = []
+        for message in messages:
+            delivery = message.delivery
+            with delivery._lock:
+                if delivery.settled:
+                    continue
+                delivery.settled = True
+                delivery.error = None
+            won.append(message)
+        return won
+
     def expire(self, message: Message, error: BaseException) -> bool:
         """Fail the delivery (its ack deadline, or a stop handing it back); False if it
         was settled already."""

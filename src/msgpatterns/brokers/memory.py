@@ -283,6 +283,8 @@ class InMemoryBroker(BrokerAdapter):
                 now = self.clock.now()
                 for topic, lane in lanes:
                     self._promote(group, lane, now)
+                    if len(lane.leases) > 2 * len(lane.inflight) + 256:
+                        _drop_settled_leases(lane)
                     while lane.ready and len(out) < max_messages:
                         out.append(self._deliver(group, topic, lane, now))
                 if out or self._closed:
@@ -519,12 +521,15 @@ class InMemoryBroker(BrokerAdapter):
             lane.entries += 1
             stats.duplicates += 1
             self._event("duplicate", entry.id, group, attempt)
-        return self._to_message(entry, lane.headers.get(uid, entry.headers), attempt,
-                                Delivery(_Receipt(group, topic, uid, token)))
+        return Message(
+            entry.body, id=entry.id, key=entry.key, topic=entry.topic,
+            headers=lane.headers.get(uid, entry.headers), timestamp=entry.timestamp,
+            attempt=attempt, partition=0, offset=entry.offset,
+            delivery=Delivery(_Receipt(group, topic, uid, token)),
+        )
 
     @staticmethod
-    def _to_message(entry: _Entry, headers: Mapping[str, str], attempt: int,
-                    delivery: Delivery[_Receipt] | None = None) -> Message:
+    def _to_message(entry: _Entry, headers: Mapping[str, str], attempt: int) -> Message:
         return Message(
             entry.body,
             id=entry.id,
@@ -535,7 +540,6 @@ class InMemoryBroker(BrokerAdapter):
             attempt=attempt,
             partition=0,
             offset=entry.offset,
-            delivery=delivery,
         )
 
     def _event(self, kind: str, message_id: str | None, group: str, attempt: int,
@@ -544,6 +548,16 @@ class InMemoryBroker(BrokerAdapter):
             self.history.append(
                 BrokerEvent(kind, message_id, group, attempt, self.clock.now(), delay)
             )
+
+
+def _drop_settled_leases(lane: _Lane) -> None:
+    """Drop the leases of settled (or redelivered) deliveries at once, instead of one
+    heap pop each when they come due: the heap stays about as large as what is in
+    flight, however long the broker runs."""
+    inflight = lane.inflight
+    lane.leases = [lease for lease in lane.leases
+                   if inflight.get(lease[2], (None,))[0] == lease[1]]
+    heapq.heapify(lane.leases)
 
 
 def _check_topic(topic: object) -> None:
