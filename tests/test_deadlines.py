@@ -53,6 +53,20 @@ def test_untracked_items_never_expire(wheel: TimingWheel) -> None:
     assert expired == ["forgotten"]
 
 
+def test_tracked_in_bulk_expire_unless_untracked_in_bulk(wheel: TimingWheel) -> None:
+    expired: list[int] = []
+    done = threading.Event()
+    tracker: DeadlineTracker[int] = DeadlineTracker(
+        wheel, 0.03, lambda item: (expired.append(item), done.set() if item == 9 else None)
+    )
+    started = time.monotonic()
+    tracker.track_all(range(10))
+    tracker.untrack_all([0, 2, 4, 6, 8, 42])  # 42 was never tracked: ignored
+    assert done.wait(5)
+    assert time.monotonic() - started >= 0.03
+    assert expired == [1, 3, 5, 7, 9] and len(tracker) == 0
+
+
 def test_tracking_again_after_everything_expired_rearms(wheel: TimingWheel) -> None:
     expired: list[int] = []
     first, second = threading.Event(), threading.Event()

@@ -69,6 +69,34 @@ def test_unacked_delivery_times_out_and_comes_back() -> None:
     assert broker.stats.stale_acks == 1 and broker.stats.double_acks == 0
 
 
+def test_only_unsettled_deliveries_time_out_after_many_settled_ones() -> None:
+    # Thousands of settled leases are dropped in bulk along the way; the unsettled
+    # deliveries among them keep theirs and come back at their timeout, nothing else.
+    broker = InMemoryBroker(visibility_timeout=30, record_history=False)
+    for i in range(2000):
+        broker.publish("t", i)
+    kept = []
+    for _ in range(40):
+        for m in broker.fetch(["t"], "g", max_messages=50):
+            if m.body % 500 == 7:
+                kept.append(m)
+            elif m.body % 500 == 9:
+                broker.nack(m, 60)  # redelivered at 60 s, not at its lease's 30 s
+            else:
+                broker.ack(m)
+    assert [m.body for m in kept] == [7, 507, 1007, 1507]
+    broker.advance(31)
+    again = broker.fetch(["t"], "g", max_messages=100)
+    assert sorted(m.body for m in again) == [7, 507, 1007, 1507]
+    assert all(m.attempt == 2 for m in again) and broker.stats.timeouts == 4
+    for m in again:
+        broker.ack(m)
+    broker.advance(30)
+    later = broker.fetch(["t"], "g", max_messages=100)
+    assert sorted(m.body for m in later) == [9, 509, 1009, 1509]
+    assert broker.stats.timeouts == 4
+
+
 def test_acking_the_same_delivery_twice_is_counted() -> None:
     broker = InMemoryBroker()
     broker.publish("t", b"x")

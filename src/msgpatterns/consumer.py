@@ -390,12 +390,13 @@ class Consumer(DriverBase):
 
     def _work(self) -> None:
         _own_thread.consumer = self
+        next_message, execute = self._fetcher.next, self._execute
         while True:
-            message: Message | None = self._fetcher.next()  # type: ignore[assignment]  # no _Claimed
+            message: Message | None = next_message()  # type: ignore[assignment]  # no _Claimed
             if message is None:
                 return
             try:
-                self._execute(message)
+                execute(message)
             except BaseException:  # the worker survives whatever happens
                 log.exception("%s: running message %s failed", self.name, message.id,
                               extra=self._log_extra(message))
@@ -431,7 +432,7 @@ class Consumer(DriverBase):
     # -- one delivery ---------------------------------------------------------------
 
     def _execute(self, message: Message) -> None:
-        if message.acked:
+        if message.delivery.settled:
             return  # handed back by stop() before it could run
         deadlines = self._deadlines
         if deadlines is not None:
@@ -492,22 +493,30 @@ class Consumer(DriverBase):
         """``first`` and more ready messages (not claimed ones), up to ``limit``."""
         chunk = [first]
         ready = self._fetcher.ready
-        while len(chunk) < limit:
+        popleft = ready.popleft  # atomic: no lock needed
+        claims = self._guard is not None  # only batch claims queue non-messages
+        append = chunk.append
+        for _ in range(limit - 1):
             try:
-                item = ready.popleft()  # atomic: no lock needed
+                item = popleft()
             except IndexError:
                 break
-            if not isinstance(item, Message):
+            if claims and not isinstance(item, Message):
                 ready.appendleft(item)
                 break
-            chunk.append(item)
+            append(item)  # type: ignore[arg-type]  # no claims without a guard
         return chunk
 
     def _intake(self, messages: list[Message]) -> list[Message]:
         """Start the deadlines and decode; the messages left to run (not handed back,
         decodable; a malformed one is settled here)."""
         deadlines, decoder = self._deadlines, self.decoder
-        live: list[Message] = []
+        if decoder is None:  # the common case: one pass, one clock read
+            live = [m for m in messages if not m.delivery.settled]
+            if deadlines is not None:
+                deadlines.track_all(live)
+            return live
+        live = []
         for message in messages:
             if message.acked:
                 continue  # handed back by stop() before it could run
@@ -673,6 +682,11 @@ class Consumer(DriverBase):
             self._check_failures(failures, live)
         returned: list[Message] = []
         raised: list[tuple[Message, BaseException]] = []
+        if error is None and not failures and scopes is None:
+            # The common case: every message returned; those the handler settled or
+            # will ack itself are left alone (finish would change nothing for them).
+            returned = [m for m in live if m.delivery.auto_ack and not m.delivery.settled]
+            live = []
         for index, message in enumerate(live):
             failed = failures.get(message, error)
             scope = None if scopes is None else scopes[index]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
 from msgpatterns.errors import ConfigurationError
@@ -61,6 +61,19 @@ class DeadlineTracker(Generic[T]):
         self._due[item] = self._clock() + self._timeout
         if not self._armed:
             self._arm(self._timeout)
+
+    def track_all(self, items: Iterable[T]) -> None:
+        """:meth:`track` each of ``items`` (one clock read: their timeouts start now)."""
+        due = self._clock() + self._timeout
+        self._due.update(dict.fromkeys(items, due))
+        if self._due and not self._armed:
+            self._arm(self._timeout)
+
+    def untrack_all(self, items: Iterable[T]) -> None:
+        """:meth:`untrack` each of ``items``."""
+        pop = self._due.pop
+        for item in items:
+            pop(item, None)
 
     def untrack(self, item: T) -> bool:
         """Stop ``item``'s timeout; False if it was not tracked (or already expired)."""

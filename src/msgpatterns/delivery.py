@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from msgpatterns.errors import ConfigurationError
@@ -68,12 +68,27 @@ class Delivery(Generic[R]):
         """Where the outcome goes (once) when this delivery is settled."""
         self._sink = sink
 
+    @staticmethod
+    def bind_all(messages: Iterable[Message], sink: SettleCallback | None) -> None:
+        """:meth:`bind` each of ``messages``' deliveries to ``sink`` (a fetched batch)."""
+        for message in messages:
+            message.delivery._sink = sink
+
     def finish(self, message: Message, error: BaseException | None) -> None:
         """Record the handler's outcome: settle on error, or on return under auto ack."""
         if error is not None:
             self.settle(message, error, source="handler")
         elif self.auto_ack:
-            self.settle(message, None, source="auto")
+            # settle(message, None, source="auto") inlined: the hot path of every
+            # successful run (a settled delivery ignores it quietly, as settle does).
+            with self._lock:
+                if self.settled:
+                    return
+                self.settled = True
+                self.error = None
+                sink = self._sink
+            if sink is not None:
+                sink(message, None)
 
     def settle_quietly(self) -> bool:
         """For settling many successful deliveries at once (their handler returned):
@@ -86,6 +101,20 @@ class Delivery(Generic[R]):
             self.settled = True
             self.error = None
             return True
+
+    @staticmethod
+    def settle_all_quietly(messages: Iterable[Message]) -> list[Message]:
+        """:meth:`settle_quietly` each of ``messages``; those it settled (in order)."""
+        won = []
+        for message in messages:
+            delivery = message.delivery
+            with delivery._lock:
+                if delivery.settled:
+                    continue
+                delivery.settled = True
+                delivery.error = None
+            won.append(message)
+        return won
 
     def expire(self, message: Message, error: BaseException) -> bool:
         """Fail the delivery (its ack deadline, or a stop handing it back); False if it

@@ -21,12 +21,12 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.deadletter import DeadLetter
-from msgpatterns.delivery import receipt_of
+from msgpatterns.delivery import Delivery, receipt_of
 from msgpatterns.errors import MAX_DURATION, ConfigurationError, seconds
 from msgpatterns.message import Message
 
@@ -123,12 +123,17 @@ class _Entry:
     offset: int
 
 
-@dataclass(frozen=True, slots=True)
-class _Receipt:
+class _Receipt(NamedTuple):
+    """One delivery's handle (immutable; a tuple: cheap to make per delivery)."""
+
     group: str
     topic: str
     uid: int
     token: int
+
+
+#: One delivery picked under the lock: (entry, headers, attempt, receipt).
+_Picked = tuple[_Entry, dict[str, str], int, _Receipt]
 
 
 @dataclass
@@ -192,7 +197,8 @@ class InMemoryBroker(BrokerAdapter):
         self.published: list[Message] = []
         self._rng = random.Random(seed)
         self._seeded = seed is not None
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
+        self._cond = threading.Condition(self._lock)
         self._topics: dict[str, list[_Entry]] = {}
         self._lanes: dict[tuple[str, str], _Lane] = {}  # (group, topic) -> lane
         self._uids = itertools.count(1)
@@ -273,33 +279,46 @@ class InMemoryBroker(BrokerAdapter):
         fetch after it raises BrokerClosed.
         """
         give_up = time.monotonic() + _duration(timeout, "fetch timeout")
+        picked: list[_Picked] = []
         with self._cond:
             self._check_open()
             lanes = [(t, self._lane(group, t)) for t in topics]
             while True:
-                out: list[Message] = []
                 now = self.clock.now()
                 for topic, lane in lanes:
                     self._promote(group, lane, now)
-                    while lane.ready and len(out) < max_messages:
-                        out.append(self._deliver(group, topic, lane, now))
-                if out or self._closed:
-                    return out
+                    if len(lane.leases) > 2 * len(lane.inflight) + 256:
+                        _drop_settled_leases(lane)
+                    if lane.ready and len(picked) < max_messages:
+                        self._deliver(group, topic, lane, now, max_messages, picked)
+                if picked or self._closed:
+                    break
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
-                    return out
+                    break
                 due = self._next_due(lanes)
                 wait = remaining if due is None else min(remaining, max(due - now, 0.0005))
                 self._cond.wait(wait)
+        # The messages are built outside the lock (acks of other threads go on).
+        return [
+            Message(entry.body, id=entry.id, key=entry.key, topic=entry.topic,
+                    headers=headers, timestamp=entry.timestamp, attempt=attempt,
+                    partition=0, offset=entry.offset, delivery=Delivery(receipt))
+            for entry, headers, attempt, receipt in picked
+        ]
 
     def ack(self, message: Message) -> None:
-        receipt = receipt_of(message, _Receipt, _OWNER)
-        with self._cond:
-            self._check_open()
-            lane = self._lanes[(receipt.group, receipt.topic)]
-            done = lane.done.get(receipt.uid)
+        receipt = message.delivery.receipt
+        if type(receipt) is not _Receipt:
+            receipt = receipt_of(message, _Receipt, _OWNER)
+        group, topic, uid, token = receipt
+        with self._lock:  # the hot path: the bare lock (an ack wakes nobody)
+            if self._closed:
+                self._check_open()
+            lane = self._lanes[(group, topic)]
+            done = lane.done.get(uid)
             if done is not None:
-                if done == ("acked", receipt.token):
+                if done == ("acked", token):
                     self.stats.double_acks += 1
                     log.warning("message %s acked twice by the same delivery", message.id)
                 else:
@@ -307,13 +326,14 @@ class InMemoryBroker(BrokerAdapter):
                 return
             if self.lost_ack_rate and self._rng.random() < self.lost_ack_rate:
                 self.stats.lost_acks += 1
-                self._event("lost-ack", message.id, receipt.group, message.attempt)
+                self._event("lost-ack", message.id, group, message.attempt)
                 return
-            lane.inflight.pop(receipt.uid, None)
-            lane.done[receipt.uid] = ("acked", receipt.token)
+            lane.inflight.pop(uid, None)
+            lane.done[uid] = ("acked", token)
             self.stats.acks += 1
             self._acked.append(message)
-            self._event("ack", message.id, receipt.group, message.attempt)
+            if self.record_history:
+                self._event("ack", message.id, group, message.attempt)
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds (virtual). A negative, NaN, infinite or
@@ -483,36 +503,43 @@ class InMemoryBroker(BrokerAdapter):
                 due = c if due is None else min(due, c)
         return due
 
-    def _deliver(self, group: str, topic: str, lane: _Lane, now: float) -> Message:
-        window = min(self.reorder_window, len(lane.ready))
-        if window > 1:
-            index = self._rng.randrange(window)
-            entry = lane.ready[index]
-            del lane.ready[index]
-        else:
-            entry = lane.ready.popleft()
-        attempt = lane.deliveries.get(entry.uid, 0) + 1
-        lane.deliveries[entry.uid] = attempt
-        token = next(self._tokens)
-        deadline = now + self.visibility_timeout
-        lane.inflight[entry.uid] = (token, deadline, entry)
-        heapq.heappush(lane.leases, (deadline, token, entry.uid))
-        self.stats.delivered += 1
-        if attempt > 1:
-            self.stats.redelivered += 1
-        self._event("deliver", entry.id, group, attempt)
-        if self.duplicate_rate and self._rng.random() < self.duplicate_rate:
-            copy = _Entry(
-                next(self._uids), entry.id, entry.topic, entry.body, entry.key,
-                entry.headers, entry.timestamp, entry.offset,
-            )
-            lane.ready.append(copy)
-            lane.entries += 1
-            self.stats.duplicates += 1
-            self._event("duplicate", entry.id, group, attempt)
-        message = self._to_message(entry, lane.headers.get(entry.uid, entry.headers), attempt)
-        message.receipt = _Receipt(group, topic, entry.uid, token)
-        return message
+    def _deliver(self, group: str, topic: str, lane: _Lane, now: float, most: int,
+                 out: list[_Picked]) -> None:
+        """Deliver ready messages of ``lane`` into ``out`` until it holds ``most`` (lock
+        held; the caller builds their messages)."""
+        ready, deliveries, inflight = lane.ready, lane.deliveries, lane.inflight
+        leases, redelivered_headers, stats = lane.leases, lane.headers, self.stats
+        tokens, rng, deadline = self._tokens, self._rng, now + self.visibility_timeout
+        while ready and len(out) < most:
+            if self.reorder_window > 1 and len(ready) > 1:
+                index = rng.randrange(min(self.reorder_window, len(ready)))
+                entry = ready[index]
+                del ready[index]
+            else:
+                entry = ready.popleft()
+            uid = entry.uid
+            attempt = deliveries.get(uid, 0) + 1
+            deliveries[uid] = attempt
+            token = next(tokens)
+            inflight[uid] = (token, deadline, entry)
+            heapq.heappush(leases, (deadline, token, uid))
+            stats.delivered += 1
+            if attempt > 1:
+                stats.redelivered += 1
+            if self.record_history:
+                self._event("deliver", entry.id, group, attempt)
+            if self.duplicate_rate and rng.random() < self.duplicate_rate:
+                copy = _Entry(
+                    next(self._uids), entry.id, entry.topic, entry.body, entry.key,
+                    entry.headers, entry.timestamp, entry.offset,
+                )
+                ready.append(copy)
+                lane.entries += 1
+                stats.duplicates += 1
+                self._event("duplicate", entry.id, group, attempt)
+            # (headers dicts are replaced, never changed: safe to copy after the lock)
+            out.append((entry, redelivered_headers.get(uid, entry.headers), attempt,
+                        _Receipt(group, topic, uid, token)))
 
     @staticmethod
     def _to_message(entry: _Entry, headers: Mapping[str, str], attempt: int) -> Message:
@@ -534,6 +561,16 @@ class InMemoryBroker(BrokerAdapter):
             self.history.append(
                 BrokerEvent(kind, message_id, group, attempt, self.clock.now(), delay)
             )
+
+
+def _drop_settled_leases(lane: _Lane) -> None:
+    """Drop the leases of settled (or redelivered) deliveries at once, instead of one
+    heap pop each when they come due: the heap stays about as large as what is in
+    flight, however long the broker runs."""
+    inflight = lane.inflight
+    lane.leases = [lease for lease in lane.leases
+                   if inflight.get(lease[2], (None,))[0] == lease[1]]
+    heapq.heapify(lane.leases)
 
 
 def _check_topic(topic: object) -> None:

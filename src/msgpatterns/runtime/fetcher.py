@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from msgpatterns.delivery import SettleCallback
+from msgpatterns.delivery import Delivery, SettleCallback
 from msgpatterns.errors import BrokerClosed
 from msgpatterns.message import Message
 from msgpatterns.runtime.clock import Clock
@@ -64,6 +64,7 @@ class Fetcher:
         self.fetching = False
         self.last_fetch: tuple[float, bool] | None = None  # (time.time(), succeeded)
         self._waiting = 0
+        self._awaiting_settlements = 0  # waiters a settlement can release
         #: Where fetched deliveries report their outcome (the driver's settling).
         self.sink: SettleCallback | None = None
         self.scheduler: RetryScheduler[Message] = RetryScheduler(
@@ -77,18 +78,29 @@ class Fetcher:
 
     # -- waiting --------------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, for_fetch: bool = False) -> None:
         """Wait on the condition (lock held), counted so that wakes are skipped when
-        nobody waits: settlement is the hot path."""
+        nobody waits: settlement is the hot path. ``for_fetch``: the wait ends with
+        another thread's fetch (or a state change, or work queued): settlements do not
+        wake it, so that workers idle during a fetch are not woken once per ack."""
         self._waiting += 1
+        if not for_fetch:
+            self._awaiting_settlements += 1
         try:
             self.cond.wait(timeout)
         finally:
             self._waiting -= 1
+            if not for_fetch:
+                self._awaiting_settlements -= 1
 
     def wake(self) -> None:
         """Lock held: wake the waiters, if any."""
         if self._waiting:
+            self.cond.notify_all()
+
+    def _wake_settled(self) -> None:
+        """Lock held, a slot was freed: wake the waiters that wait for that, if any."""
+        if self._awaiting_settlements:
             self.cond.notify_all()
 
     # -- the next message -----------------------------------------------------------
@@ -113,7 +125,7 @@ class Fetcher:
                         continue
                     free = self.max_in_flight - len(self.slots)
                     if self.fetching:
-                        self.wait(self.poll_timeout)
+                        self.wait(self.poll_timeout, for_fetch=True)
                         continue
                     if free <= 0:
                         # Full: only a retry coming due can free a slot.
@@ -133,9 +145,7 @@ class Fetcher:
                     stopping = False
                     self.fetching = False
                     if messages:
-                        sink = self.sink
-                        for message in messages:
-                            message.delivery.bind(sink)
+                        Delivery.bind_all(messages, self.sink)
                         self.stats.fetched += len(messages)
                         self.slots.take(messages)
                         self.reporter.count({"fetched": len(messages)})
@@ -235,15 +245,24 @@ class Fetcher:
                                              stopped=self.state is State.STOPPED)
             if run is not None:
                 self.ready.appendleft(run)
-            self.wake()
+                self.wake()
+            else:
+                self._wake_settled()
         if give_back:  # stopped meanwhile: give it back
             run_sync(self.settler.hand_back([message]), self.broker, None)
+
+    def free_one_acked(self, message: Message) -> None:
+        """One successful delivery was acked: free its slot (the hot path)."""
+        with self.lock:
+            self.slots.free_one_acked(message)
+            if self._awaiting_settlements:
+                self.cond.notify_all()
 
     def free_acked(self, messages: Iterable[Message]) -> None:
         """Successful deliveries were acked: free their slots."""
         with self.lock:
             self.slots.free_acked(messages)
-            self.wake()
+            self._wake_settled()
 
 
 def _still_clock(broker: Any) -> Clock:

@@ -20,6 +20,7 @@ from typing import Any
 from msgpatterns.brokers.base import SupportsAckMany
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
+from msgpatterns.delivery import Delivery
 from msgpatterns.idempotency.batch import BatchGuard, Entry
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
@@ -63,10 +64,7 @@ class ThreadSettling:
             except Exception as failure:
                 self._ack_failed(message, failure)
                 return
-            fetcher = self.fetcher
-            with fetcher.lock:
-                fetcher.slots.free_one_acked(message)
-                fetcher.wake()
+            self.fetcher.free_one_acked(message)
             return
         settled = Settled(["broker_errors"])
         try:
@@ -105,11 +103,10 @@ class ThreadSettling:
             for message in messages:
                 message.delivery.finish(message, None)
             return
-        won = [message for message in messages if message.delivery.settle_quietly()]
+        won = Delivery.settle_all_quietly(messages)
         deadlines = self.deadlines
         if deadlines is not None:
-            for message in won:
-                deadlines.untrack(message)
+            deadlines.untrack_all(won)
         acked = won
         ack_many = self._ack_many
         if ack_many is not None and len(won) > 1:
