@@ -200,6 +200,47 @@ def test_a_read_ahead_is_taken_by_the_next_fetch_or_handed_back_on_close(
     other.close()
 
 
+def test_acks_sent_with_a_read_ahead_whose_reply_is_lost_are_sent_again(
+        fake: Any) -> None:
+    # A kept connection the server already dropped takes a write without complaint
+    # and fails only at the read: the acks written with a read-ahead on it never
+    # reached Redis, and must go out again.
+    import redis
+
+    broker = broker_on(fake, read_ahead_hold=60, ack_flush_interval=60)
+    ids = [broker.publish("s", str(i).encode()).split("/", 1)[1] for i in range(8)]
+    got = broker.fetch("s", "g", max_messages=2, timeout=0)
+    got += broker.fetch("s", "g", max_messages=2, timeout=0)  # reads 2 ahead
+    broker.ack_many(got)  # queued: they ride with the next read-ahead
+    [first_ahead] = [a for a in broker._aheads.values() if a is not None]
+    dead = first_ahead.conn  # kept for the next read-ahead once its reply is read
+
+    def closed_by_server(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("Connection closed by server.")
+
+    def into_a_dead_socket(packed: Any, *args: Any, **kwargs: Any) -> None:
+        dead.read_response = closed_by_server  # the write vanished; the read fails
+
+    def disconnect(*args: Any, **kwargs: Any) -> None:  # a new socket works again
+        for name in ("send_packed_command", "read_response", "disconnect"):
+            vars(dead).pop(name, None)
+        dead.disconnect(*args, **kwargs)
+
+    dead.send_packed_command = into_a_dead_socket
+    dead.disconnect = disconnect
+    third = broker.fetch("s", "g", max_messages=2, timeout=0)  # takes it, reads ahead
+    [second_ahead] = [a for a in broker._aheads.values() if a is not None]
+    assert second_ahead.conn is dead  # the acks of the first 4 went into it
+    broker.ack_many(third)
+    broker.close()  # that read-ahead fails: its acks are sent again with the rest
+    assert _pending_ids(fake, "s", "g") == set()
+    other = broker_on(fake)  # what the lost read-ahead asked for was never delivered
+    rest = drain(other, "s", "g", count=2)
+    assert [(m.raw_body, m.attempt, m.id) for m in rest] == [
+        (str(i).encode(), 1, f"s/{ids[i]}") for i in (6, 7)]
+    other.close()
+
+
 def test_groups_sharing_a_broker_read_ahead_each_and_get_every_entry_once(
         fake: Any) -> None:
     broker = broker_on(fake, read_ahead_hold=60)

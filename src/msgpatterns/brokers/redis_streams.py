@@ -295,13 +295,16 @@ class _Read:
 @dataclass(eq=False, slots=True)
 class _Ahead:
     """An XREADGROUP sent ahead of the fetch that takes it: its connection, with the
-    replies of ``acks`` ack commands and then the read's reply still to come."""
+    replies of ``acks`` ack commands and then the read's reply still to come.
+    ``acked``: the deliveries those commands ack (queued again if the replies never
+    come: the acks may not have reached Redis)."""
 
     conn: Any
     key: tuple[tuple[str, ...], str]
     origin: dict[str, tuple[str, bool]]
     acks: int
     since: float
+    acked: list[_Receipt]
 
 
 class StreamsSettings:
@@ -955,7 +958,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             return False
         with self._lock:
             self._aheads[key] = _Ahead(conn, key, origin, len(commands) - 1,
-                                       time.monotonic())
+                                       time.monotonic(), list(acks))
         if self._flusher is None:  # it hands back a read-ahead no fetch takes
             with self._ack_lock:
                 self._wake_flusher()
@@ -978,8 +981,10 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             reply = conn.read_response()
         except Exception:
             self._give_conn(conn, broken=True)
-            log.warning("%s: reading a read-ahead failed; its entries are redelivered "
-                        "after the visibility timeout", self.consumer, exc_info=True)
+            self._requeue_acks(ahead.acked)  # sent or not: an XACK sent twice is harmless
+            log.warning("%s: reading a read-ahead failed; its acks are queued again and "
+                        "its entries redelivered after the visibility timeout",
+                        self.consumer, exc_info=True)
             return None
         self._give_conn(conn)
         return reply
