@@ -391,12 +391,28 @@ class Consumer(DriverBase):
     def _work(self) -> None:
         _own_thread.consumer = self
         next_message, execute = self._fetcher.next, self._execute
+        handler, plain = self.handler, self.decoder is None
+        track = None if self._deadlines is None else self._deadlines.track  # set by start
         while True:
             message: Message | None = next_message()  # type: ignore[assignment]  # no _Claimed
             if message is None:
                 return
             try:
-                execute(message)
+                if plain and _obs.listener is None:
+                    # _execute without a decoder or a listener: the per-message hot path
+                    delivery = message.delivery
+                    if delivery.settled:
+                        continue  # handed back by stop() before it could run
+                    if track is not None:
+                        track(message)
+                    error: BaseException | None = None
+                    try:
+                        handler(message)
+                    except BaseException as exc:  # SystemExit & co fail the message
+                        error = exc
+                    delivery.finish(message, error)
+                else:
+                    execute(message)
             except BaseException:  # the worker survives whatever happens
                 log.exception("%s: running message %s failed", self.name, message.id,
                               extra=self._log_extra(message))

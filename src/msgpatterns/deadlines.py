@@ -50,6 +50,9 @@ class DeadlineTracker(Generic[T]):
         self._on_expire = on_expire
         self._clock = clock
         self._due: dict[T, float] = {}
+        #: ``forget(item, None)``: :meth:`untrack` without its result and without a
+        #: Python frame (the dict's own ``pop``: the per-message hot path).
+        self.forget: Callable[[T, None], float | None] = self._due.pop
         self._armed = False
         self._lock = threading.Lock()
 

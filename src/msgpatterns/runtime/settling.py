@@ -56,7 +56,7 @@ class ThreadSettling:
         is always freed."""
         deadlines = self.deadlines
         if deadlines is not None:
-            deadlines.untrack(message)
+            deadlines.forget(message, None)
         if error is None and self.plain_acks and _obs.listener is None:
             # The hot path: a success is an ack and a freed slot.
             try:
