@@ -701,6 +701,9 @@ class Consumer(DriverBase):
         if error is None and not failures and scopes is None:
             # The common case: every message returned; those the handler settled or
             # will ack itself are left alone (finish would change nothing for them).
+            if guard is None:  # nothing to complete first: ack_all leaves them alone
+                self._settling.ack_all(live)
+                return
             returned = [m for m in live if m.delivery.auto_ack and not m.delivery.settled]
             live = []
         for index, message in enumerate(live):

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
+from itertools import repeat
 from typing import Generic, TypeVar
 
 from msgpatterns.errors import ConfigurationError
@@ -74,9 +76,7 @@ class DeadlineTracker(Generic[T]):
 
     def untrack_all(self, items: Iterable[T]) -> None:
         """:meth:`untrack` each of ``items``."""
-        pop = self._due.pop
-        for item in items:
-            pop(item, None)
+        deque(map(self._due.pop, items, repeat(None)), maxlen=0)  # C speed
 
     def untrack(self, item: T) -> bool:
         """Stop ``item``'s timeout; False if it was not tracked (or already expired)."""

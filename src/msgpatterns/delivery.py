@@ -111,13 +111,15 @@ class Delivery(Generic[R]):
 
     @staticmethod
     def settle_all_quietly(messages: Iterable[Message]) -> list[Message]:
-        """:meth:`settle_quietly` each of ``messages``; those it settled (in order)."""
+        """:meth:`settle_quietly` each of ``messages`` still under auto ack (one whose
+        handler acks it itself is left alone, as :meth:`finish` leaves it); those it
+        settled (in order)."""
         won: list[Message] = []
         append = won.append
         with _settle_lock:  # once for the batch: a few attribute reads and writes each
             for message in messages:
                 delivery = message.delivery
-                if not delivery.settled:
+                if not delivery.settled and delivery.auto_ack:
                     delivery.settled = True
                     delivery.error = None
                     append(message)

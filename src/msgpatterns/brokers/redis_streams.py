@@ -553,7 +553,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             self._queue_acks((receipt,))
             return
         with self._ack_lock:  # _queue_acks inlined: the hot path of every message
-            self._check_open()  # under the lock: close() flushes whatever got queued
+            if self._closed.is_set():  # under the lock: close() flushes what got queued
+                self._check_open()  # raises BrokerClosed
             acks = self._acks
             acks.append(receipt)
             if len(acks) >= self.ack_batch or self._flusher is None:
@@ -562,8 +563,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
         receipts = [message.delivery.receipt for message in messages]
-        for receipt, message in zip(receipts, messages, strict=True):
-            if type(receipt) is not _Receipt:
+        if set(map(type, receipts)) != {_Receipt}:  # C speed; empty or a stranger
+            for message in messages:
                 receipt_of(message, _Receipt, _OWNER)  # raises the usual error
         self._queue_acks(receipts)
 
@@ -1059,7 +1060,9 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         receipt = _Receipt
         new_receipt = tuple.__new__
         make = delivered
-        ms, timestamp = "", 0.0  # entries added in the same millisecond share it
+        # Entries added in the same millisecond share its timestamp: ``ms`` is that
+        # millisecond's id prefix (b"<ms>-"), tested without building anything.
+        ms, timestamp = b"-", 0.0
         for stream_name, entries in reply.items() if isinstance(reply, dict) else reply:
             stream = stream_name if type(stream_name) is str else codec.text(stream_name)
             topic, retry = origin[stream]
@@ -1075,10 +1078,10 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                     continue
                 if (type(entry_id) is bytes and type(fields) is list and len(fields) == 2
                         and fields[0] == b"body" and type(fields[1]) is bytes):
+                    if not entry_id.startswith(ms):
+                        head = entry_id.partition(b"-")[0]
+                        ms, timestamp = head + b"-", int(head) / 1000
                     eid = entry_id.decode("ascii")
-                    head = eid.partition("-")[0]
-                    if head != ms:
-                        ms, timestamp = head, int(head) / 1000
                     append(make(fields[1], prefix + eid, topic, timestamp,
                                 new_receipt(receipt, (stream, eid, group, topic, retry))))
                     continue

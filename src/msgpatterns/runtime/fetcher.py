@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from msgpatterns.delivery import Delivery, SettleCallback
@@ -261,7 +261,7 @@ class Fetcher:
             if self._awaiting_settlements:
                 self.cond.notify_all()
 
-    def free_acked(self, messages: Iterable[Message]) -> None:
+    def free_acked(self, messages: Sequence[Message]) -> None:
         """Successful deliveries were acked: free their slots."""
         with self.lock:
             self.slots.free_acked(messages)

@@ -92,7 +92,9 @@ class ThreadSettling:
         self.on_settled(message, error)
 
     def ack_all(self, messages: Sequence[Message]) -> None:
-        """Settle successful deliveries (auto ack) together: one broker call (where the
+        """Settle successful deliveries together, as :meth:`Delivery.finish` would one
+        by one (those settled already, or awaiting their handler's explicit ack, are
+        left alone): one broker call (where the
         broker acks many at once), one lock and one stats update for all of them. Where
         a settlement must be seen per message (a telemetry listener, ordered mode's key
         gate, a RetryPolicy that overrides decide) each goes through the usual
