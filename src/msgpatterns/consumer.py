@@ -391,12 +391,18 @@ class Consumer(DriverBase):
     def _work(self) -> None:
         _own_thread.consumer = self
         next_message, execute = self._fetcher.next, self._execute
+        popleft = self._fetcher.ready.popleft  # the queue is never replaced
         handler, plain = self.handler, self.decoder is None
         track = None if self._deadlines is None else self._deadlines.track  # set by start
+        message: Message
         while True:
-            message: Message | None = next_message()  # type: ignore[assignment]  # no _Claimed
-            if message is None:
-                return
+            try:  # Fetcher.next's own first step, without its frame: the common case
+                message = popleft()  # type: ignore[assignment]  # no _Claimed here
+            except IndexError:
+                item = next_message()
+                if item is None:
+                    return
+                message = item  # type: ignore[assignment]  # no _Claimed here
             try:
                 if plain and _obs.listener is None:
                     # _execute without a decoder or a listener: the per-message hot path

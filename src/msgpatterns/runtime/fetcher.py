@@ -57,7 +57,8 @@ class Fetcher:
         self.log = log
         self.lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
         self.cond = threading.Condition(self.lock)
-        #: Messages to run (and, for batch claims, claimed messages to run).
+        #: Messages to run (and, for batch claims, claimed messages to run). Never
+        #: replaced (workers keep its popleft), only cleared.
         self.ready: deque[Message | Claimed] = deque()
         self.state = State.NEW
         self.until_idle = False
