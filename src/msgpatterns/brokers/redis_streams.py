@@ -407,6 +407,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self._last_read = float("-inf")  # monotonic time of the last read
         self._read_conns: list[Any] = []  # pool connections kept by reads
         self._closed = threading.Event()
+        #: ``_closed.is_set()`` as a plain attribute (read per ack), set with it.
+        self._closing = False
         self._retrying = reconnecting(
             _CONNECTION_ERRORS, logger=log, what="redis call", attempts=5,
             backoff=reconnect_backoff(2.0), until=self._closed,
@@ -553,7 +555,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             self._queue_acks((receipt,))
             return
         with self._ack_lock:  # _queue_acks inlined: the hot path of every message
-            if self._closed.is_set():  # under the lock: close() flushes what got queued
+            if self._closing:  # under the lock: close() flushes what got queued
                 self._check_open()  # raises BrokerClosed
             acks = self._acks
             acks.append(receipt)
@@ -670,6 +672,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         with self._lock:
             if self._closed.is_set():
                 return
+            self._closing = True
             self._closed.set()
         self._ack_full.set()
         try:
