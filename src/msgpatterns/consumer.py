@@ -391,12 +391,34 @@ class Consumer(DriverBase):
     def _work(self) -> None:
         _own_thread.consumer = self
         next_message, execute = self._fetcher.next, self._execute
+        popleft = self._fetcher.ready.popleft  # the queue is never replaced
+        handler, plain = self.handler, self.decoder is None
+        track = None if self._deadlines is None else self._deadlines.track  # set by start
+        message: Message
         while True:
-            message: Message | None = next_message()  # type: ignore[assignment]  # no _Claimed
-            if message is None:
-                return
+            try:  # Fetcher.next's own first step, without its frame: the common case
+                message = popleft()  # type: ignore[assignment]  # no _Claimed here
+            except IndexError:
+                item = next_message()
+                if item is None:
+                    return
+                message = item  # type: ignore[assignment]  # no _Claimed here
             try:
-                execute(message)
+                if plain and _obs.listener is None:
+                    # _execute without a decoder or a listener: the per-message hot path
+                    delivery = message.delivery
+                    if delivery.settled:
+                        continue  # handed back by stop() before it could run
+                    if track is not None:
+                        track(message)
+                    error: BaseException | None = None
+                    try:
+                        handler(message)
+                    except BaseException as exc:  # SystemExit & co fail the message
+                        error = exc
+                    delivery.finish(message, error)
+                else:
+                    execute(message)
             except BaseException:  # the worker survives whatever happens
                 log.exception("%s: running message %s failed", self.name, message.id,
                               extra=self._log_extra(message))
@@ -685,6 +707,9 @@ class Consumer(DriverBase):
         if error is None and not failures and scopes is None:
             # The common case: every message returned; those the handler settled or
             # will ack itself are left alone (finish would change nothing for them).
+            if guard is None:  # nothing to complete first: ack_all leaves them alone
+                self._settling.ack_all(live)
+                return
             returned = [m for m in live if m.delivery.auto_ack and not m.delivery.settled]
             live = []
         for index, message in enumerate(live):

@@ -36,20 +36,27 @@ R = TypeVar("R")
 SettleCallback = Callable[["Message", "BaseException | None"], None]
 
 
+#: Guards the settle-once transition of EVERY delivery: a check-and-set of two
+#: attributes per delivery, no call and no I/O while it is held, so one lock for all costs no
+#: waiting worth the name and saves a lock object (and its allocation) per delivery.
+_settle_lock = threading.Lock()
+
+
 class Delivery(Generic[R]):
-    """The receipt and the settle-once state of one delivery. Thread-safe.
+    """The receipt and the settle-once state of one delivery. Thread-safe: the
+    settle-once check-and-set runs under one module-wide lock (held for a few
+    attribute reads and writes only), so the first settlement wins on any thread.
 
     ``settled``, ``error`` and ``auto_ack`` are plain attributes for speed (the runtime
     reads them per message): read them, never assign them; :meth:`settle` and
     :meth:`disable_auto_ack` change them.
     """
 
-    __slots__ = ("_lock", "_sink", "auto_ack", "error", "receipt", "settled")
+    __slots__ = ("_sink", "auto_ack", "error", "receipt", "settled")
 
     def __init__(self, receipt: R) -> None:
         #: The adapter's handle for this delivery (what ack/nack/dead_letter need).
         self.receipt = receipt
-        self._lock = threading.Lock()
         #: False once the handler took over acknowledgement.
         self.auto_ack = True
         #: True once settled (with or without an error).
@@ -81,7 +88,7 @@ class Delivery(Generic[R]):
         elif self.auto_ack:
             # settle(message, None, source="auto") inlined: the hot path of every
             # successful run (a settled delivery ignores it quietly, as settle does).
-            with self._lock:
+            with _settle_lock:
                 if self.settled:
                     return
                 self.settled = True
@@ -95,7 +102,7 @@ class Delivery(Generic[R]):
         settle as a success WITHOUT reporting to the sink (the caller does that work for
         the whole batch). Only for auto ack. False, and nothing changes, when it was
         settled already."""
-        with self._lock:
+        with _settle_lock:
             if self.settled:
                 return False
             self.settled = True
@@ -104,16 +111,18 @@ class Delivery(Generic[R]):
 
     @staticmethod
     def settle_all_quietly(messages: Iterable[Message]) -> list[Message]:
-        """:meth:`settle_quietly` each of ``messages``; those it settled (in order)."""
-        won = []
-        for message in messages:
-            delivery = message.delivery
-            with delivery._lock:
-                if delivery.settled:
-                    continue
-                delivery.settled = True
-                delivery.error = None
-            won.append(message)
+        """:meth:`settle_quietly` each of ``messages`` still under auto ack (one whose
+        handler acks it itself is left alone, as :meth:`finish` leaves it); those it
+        settled (in order)."""
+        won: list[Message] = []
+        append = won.append
+        with _settle_lock:  # once for the batch: a few attribute reads and writes each
+            for message in messages:
+                delivery = message.delivery
+                if not delivery.settled and delivery.auto_ack:
+                    delivery.settled = True
+                    delivery.error = None
+                    append(message)
         return won
 
     def expire(self, message: Message, error: BaseException) -> bool:
@@ -126,7 +135,7 @@ class Delivery(Generic[R]):
         """Settle with ``error`` (None: success); the first settlement wins and is
         reported to the sink, a later one is ignored (with a warning when it comes from
         the handler: ``source`` "ack" or "handler") and returns False."""
-        with self._lock:
+        with _settle_lock:
             if self.settled:
                 first = self.error
                 late = True

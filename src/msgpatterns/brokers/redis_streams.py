@@ -81,7 +81,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
@@ -90,7 +90,7 @@ from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import outgoing
 from msgpatterns.brokers._reconnect import reconnect_backoff, reconnecting
 from msgpatterns.deadletter import DeadLetter, body_bytes
-from msgpatterns.delivery import Delivery, receipt_of
+from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
@@ -98,7 +98,7 @@ from msgpatterns.errors import (
     ConfigurationError,
     MalformedMessage,
 )
-from msgpatterns.message import Message
+from msgpatterns.message import Message, delivered
 
 redis = require("redis", "redis")
 
@@ -179,8 +179,10 @@ return {r[1], entries, r[3] or {}}
 """
 
 
-@dataclass(slots=True)
-class _Receipt:
+class _Receipt(NamedTuple):
+    """Where one delivery sits: its stream entry, in ``group``. A tuple: the read loop
+    builds one per entry with ``tuple.__new__`` (no Python frame)."""
+
     stream: str
     entry_id: str
     group: str
@@ -408,6 +410,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         self._last_read = float("-inf")  # monotonic time of the last read
         self._read_conns: list[Any] = []  # pool connections kept by reads
         self._closed = threading.Event()
+        #: ``_closed.is_set()`` as a plain attribute (read per ack), set with it.
+        self._closing = False
         self._retrying = reconnecting(
             _CONNECTION_ERRORS, logger=log, what="redis call", attempts=5,
             backoff=reconnect_backoff(2.0), until=self._closed,
@@ -550,13 +554,22 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         receipt = message.delivery.receipt
         if type(receipt) is not _Receipt:
             receipt = receipt_of(message, _Receipt, _OWNER)  # raises the usual error
-        self._queue_acks((receipt,))
+        if self.ack_flush_interval <= 0:
+            self._queue_acks((receipt,))
+            return
+        with self._ack_lock:  # _queue_acks inlined: the hot path of every message
+            if self._closing:  # under the lock: close() flushes what got queued
+                self._check_open()  # raises BrokerClosed
+            acks = self._acks
+            acks.append(receipt)
+            if len(acks) >= self.ack_batch or self._flusher is None:
+                self._wake_flusher()
 
     def ack_many(self, messages: Sequence[Message]) -> None:
         """:meth:`ack` for many deliveries at once (one lock, one queue append)."""
         receipts = [message.delivery.receipt for message in messages]
-        for receipt, message in zip(receipts, messages, strict=True):
-            if type(receipt) is not _Receipt:
+        if set(map(type, receipts)) != {_Receipt}:  # C speed; empty or a stranger
+            for message in messages:
                 receipt_of(message, _Receipt, _OWNER)  # raises the usual error
         self._queue_acks(receipts)
 
@@ -662,6 +675,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         with self._lock:
             if self._closed.is_set():
                 return
+            self._closing = True
             self._closed.set()
         self._ack_full.set()
         try:
@@ -1052,9 +1066,11 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         append = out.append
         slow = self._message
         receipt = _Receipt
-        delivery = Delivery
-        message_cls = Message
-        ms, timestamp = "", 0.0  # entries added in the same millisecond share it
+        new_receipt = tuple.__new__
+        make = delivered
+        # Entries added in the same millisecond share its timestamp: ``ms`` is that
+        # millisecond's id prefix (b"<ms>-"), tested without building anything.
+        ms, timestamp = b"-", 0.0
         for stream_name, entries in reply.items() if isinstance(reply, dict) else reply:
             stream = stream_name if type(stream_name) is str else codec.text(stream_name)
             topic, retry = origin[stream]
@@ -1070,13 +1086,12 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                     continue
                 if (type(entry_id) is bytes and type(fields) is list and len(fields) == 2
                         and fields[0] == b"body" and type(fields[1]) is bytes):
+                    if not entry_id.startswith(ms):
+                        head = entry_id.partition(b"-")[0]
+                        ms, timestamp = head + b"-", int(head) / 1000
                     eid = entry_id.decode("ascii")
-                    head = eid.partition("-")[0]
-                    if head != ms:
-                        ms, timestamp = head, int(head) / 1000
-                    append(message_cls(
-                        fields[1], id=prefix + eid, topic=topic, timestamp=timestamp,
-                        delivery=delivery(receipt(stream, eid, group, topic, retry))))
+                    append(make(fields[1], prefix + eid, topic, timestamp,
+                                new_receipt(receipt, (stream, eid, group, topic, retry))))
                     continue
                 message = slow(topic, stream, retry, group, entry_id, fields, 1)
                 if message is not None:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from msgpatterns.delivery import Delivery, SettleCallback
@@ -57,7 +57,8 @@ class Fetcher:
         self.log = log
         self.lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
         self.cond = threading.Condition(self.lock)
-        #: Messages to run (and, for batch claims, claimed messages to run).
+        #: Messages to run (and, for batch claims, claimed messages to run). Never
+        #: replaced (workers keep its popleft), only cleared.
         self.ready: deque[Message | Claimed] = deque()
         self.state = State.NEW
         self.until_idle = False
@@ -254,11 +255,14 @@ class Fetcher:
     def free_one_acked(self, message: Message) -> None:
         """One successful delivery was acked: free its slot (the hot path)."""
         with self.lock:
-            self.slots.free_one_acked(message)
+            slots = self.slots  # Slots.free_one_acked inlined: the hot path
+            slots.held.pop(message, None)
+            slots.settled += 1
+            self.stats.acked += 1
             if self._awaiting_settlements:
                 self.cond.notify_all()
 
-    def free_acked(self, messages: Iterable[Message]) -> None:
+    def free_acked(self, messages: Sequence[Message]) -> None:
         """Successful deliveries were acked: free their slots."""
         with self.lock:
             self.slots.free_acked(messages)

@@ -56,7 +56,7 @@ class ThreadSettling:
         is always freed."""
         deadlines = self.deadlines
         if deadlines is not None:
-            deadlines.untrack(message)
+            deadlines.forget(message, None)
         if error is None and self.plain_acks and _obs.listener is None:
             # The hot path: a success is an ack and a freed slot.
             try:
@@ -92,7 +92,9 @@ class ThreadSettling:
         self.on_settled(message, error)
 
     def ack_all(self, messages: Sequence[Message]) -> None:
-        """Settle successful deliveries (auto ack) together: one broker call (where the
+        """Settle successful deliveries together, as :meth:`Delivery.finish` would one
+        by one (those settled already, or awaiting their handler's explicit ack, are
+        left alone): one broker call (where the
         broker acks many at once), one lock and one stats update for all of them. Where
         a settlement must be seen per message (a telemetry listener, ordered mode's key
         gate, a RetryPolicy that overrides decide) each goes through the usual
