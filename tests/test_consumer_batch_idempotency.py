@@ -141,6 +141,7 @@ def test_a_key_in_progress_elsewhere_is_retried_after_the_lease(store: str,
     broker = InMemoryBroker()
     with checker_for(store, tmp_path, lease=5, clock=broker.now) as checker:
         publish(broker, 3)
+        started = broker.now()  # the lease runs from the claim below
         held = checker.claim("o-1", group=GROUP)  # another consumer holds o-1 (it dies)
         assert held.status is Status.CLAIMED
         runs: list[tuple[str | None, int]] = []
@@ -149,7 +150,6 @@ def test_a_key_in_progress_elsewhere_is_retried_after_the_lease(store: str,
         def handle(message: Message) -> None:
             runs.append((message.id, message.attempt))
 
-        started = broker.now()
         consume(broker, handle, retry=QUICK)
         assert sorted(runs) == [("o-0", 1), ("o-1", 2), ("o-2", 1)]
         assert broker.now() - started >= 5  # o-1 came back once the lease ran out

@@ -251,6 +251,7 @@ async def test_a_key_in_progress_elsewhere_is_retried_after_the_lease(
     broker = AsyncInMemoryBroker()
     async with store_for(kind, tmp_path, lease=5, clock=broker.now) as made:
         await publish(broker, 3)
+        started = broker.now()  # the lease runs from the claim below
         # Another consumer holds o-1 (and dies).
         assert made.sync.claim("o-1", group=GROUP).status is Status.CLAIMED
         runs: list[tuple[str | None, int]] = []
@@ -259,7 +260,6 @@ async def test_a_key_in_progress_elsewhere_is_retried_after_the_lease(
         async def handle(message: Message) -> None:
             runs.append((message.id, message.attempt))
 
-        started = broker.now()
         await consume(broker, handle, retry=QUICK)
         assert sorted(runs) == [("o-0", 1), ("o-1", 2), ("o-2", 1)]
         assert broker.now() - started >= 5  # o-1 came back once the lease ran out
