@@ -141,7 +141,11 @@ class AsyncSettling:
 
     def _track(self, settle: Callable[[Message, BaseException | None], Awaitable[None]],
                message: Message, error: BaseException | None) -> None:
-        task = asyncio.ensure_future(settle(message, error))
+        self._in_task(settle(message, error))
+
+    def _in_task(self, work: Awaitable[None]) -> None:
+        """Run ``work`` in a task of its own, kept until it ends (stop awaits them)."""
+        task = asyncio.ensure_future(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -214,6 +218,4 @@ class AsyncSettling:
 
     def spawn_hand_back(self, messages: Sequence[Message]) -> None:
         """:meth:`hand_back` retry copies, in a task of its own."""
-        task = asyncio.ensure_future(self.hand_back(messages, fetched=False))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._in_task(self.hand_back(messages, fetched=False))
