@@ -4,9 +4,10 @@
     python benchmarks/report.py              # render docs/benchmarks.md from kept output
 
 Each benchmark script prints ``BENCH {json}`` lines: a measure of ours next to a
-baseline measured in the same run, their ratio and the goal. The page shows them as a
-table and one plot (ours relative to the baseline per measure, the goal marked), with
-the machine and the date of the run. Output of each script is kept in
+baseline measured in the same run, their ratio and the goal. The page has one section
+per script: a plot (ours relative to the baseline per measure, the goal marked) drawn as
+an SVG at the page's width (click it to open it full size), then the table; with the
+machine and the date of the run. Output of each script is kept in
 ``benchmarks/results/<script>.txt`` so the page can be re-rendered without re-running.
 """
 
@@ -17,6 +18,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,13 +27,29 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOCS = HERE.parent / "docs"
-PLOT = DOCS / "img" / "benchmarks.png"
+PLOTS = DOCS / "img" / "benchmarks"
 PAGE = DOCS / "benchmarks.md"
+MACHINE = RESULTS / "machine.txt"
+
+# Section titles, in page order; a script not named here gets its own name.
+GROUPS = {
+    "bench_async": "asyncio consumer",
+    "bench_async_kafka": "asyncio Kafka",
+    "bench_runtime": "Runtime overhead",
+    "bench_idempotency": "Idempotency",
+    "bench_batching": "Batching",
+    "bench_ordering": "Ordering",
+    "bench_brokers": "Brokers",
+    "bench_peers": "Against FastStream and Dramatiq",
+    "bench_spark": "Spark",
+}
 
 
 def run_all(only: list[str]) -> None:
-    """Run each benchmark script (or those named in ``only``) and keep its output."""
+    """Run each benchmark script (or those named in ``only``) and keep its output, and
+    the machine it ran on."""
     RESULTS.mkdir(exist_ok=True)
+    MACHINE.write_text(machine() + "\n")
     for script in sorted(HERE.glob("bench_*.py")):
         if only and script.stem not in only:
             continue
@@ -51,6 +69,7 @@ def collect() -> list[dict[str, Any]]:
             if line.startswith("BENCH "):
                 record = json.loads(line[len("BENCH "):])
                 record.setdefault("bench", path.stem)
+                record["script"] = path.stem
                 records.append(record)
     return records
 
@@ -68,6 +87,14 @@ def machine() -> str:
             f"{platform.system()} {platform.release()}")
 
 
+def recorded_machine() -> str:
+    """The machine the kept results ran on (this one if it was not recorded)."""
+    try:
+        return MACHINE.read_text().strip()
+    except OSError:
+        return machine()
+
+
 def plotted(record: dict[str, Any]) -> bool:
     """Measures whose ratio reads "ours relative to the baseline, higher is better";
     those with an absolute goal (microseconds, milliseconds) are in the table only."""
@@ -75,32 +102,113 @@ def plotted(record: dict[str, Any]) -> bool:
     return not any(unit in goal for unit in (" us", " ms", "us/")) and "reported" not in goal
 
 
-def plot(records: list[dict[str, Any]]) -> None:
+def groups(records: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The records per script, in the page's order."""
+    by_script: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_script.setdefault(record["script"], []).append(record)
+    order = list(GROUPS)
+    return sorted(by_script.items(),
+                  key=lambda item: (order.index(item[0]) if item[0] in order else len(order),
+                                    item[0]))
+
+
+def wrap(text: str, width: int = 44) -> str:
+    """``text`` on lines of at most ``width`` characters, broken after a space, ``_`` or ``.``."""
+    lines = [""]
+    for token in re.split(r"(?<=[ _.,])", text):
+        if lines[-1] and len(lines[-1]) + len(token.rstrip()) > width:
+            lines.append("")
+        lines[-1] += token
+    return "\n".join(line.strip() for line in lines)
+
+
+def goal_ratio(record: dict[str, Any]) -> float | None:
+    """The ratio the goal asks for (``>= 5x ...`` -> 5.0), when it states one."""
+    match = re.match(r"\s*>=?\s*([0-9.]+)", str(record.get("goal", "")))
+    return float(match.group(1)) if match else None
+
+
+def plot_labels(script: str, records: list[dict[str, Any]]) -> list[str]:
+    """One label per bar: the measure, without the part every bar of the group shares."""
+    prefix = script.removeprefix("bench_")
+    labels: list[str] = []
+    for record in records:
+        bench = str(record["bench"])
+        if bench == prefix or bench.startswith(prefix + "."):
+            bench = bench[len(prefix):].lstrip(".")
+        label = f"{bench}: {record['metric']}" if bench else str(record["metric"])
+        repeat = labels.count(label) + sum(1 for lab in labels if lab.startswith(label + " ("))
+        labels.append(f"{label} ({repeat + 1})" if repeat else label)
+    return [wrap(label) for label in labels]
+
+
+def plot_path(script: str) -> Path:
+    return PLOTS / f"{script}.svg"
+
+
+def plot(script: str, records: list[dict[str, Any]]) -> Path | None:
+    """Draw one group's "higher is better" measures as an SVG sized for the page."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = [r for r in records if plotted(r)]
-    labels = [f"{r['bench']}: {r['metric']}" for r in records]
+    if not records:
+        return None
+    labels = plot_labels(script, records)
     ratios = [float(r["ratio"]) for r in records]
     colors = ["tab:green" if r.get("met") else "tab:red" for r in records]
-    height = max(3.0, 0.32 * len(records) + 1.2)
-    fig, ax = plt.subplots(figsize=(10, height))
-    ax.barh(range(len(records)), ratios, color=colors)
-    ax.set_yticks(range(len(records)), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("ours / baseline measured in the same run (log scale)\n"
-                  "green: goal met, red: missed")
-    ax.set_title("msgpatterns benchmarks")
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    lines = sum(label.count("\n") + 1 for label in labels)
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": script, "font.size": 10}):
+        # 7.5 in at 96 px/in fills the content column (about 720 px): text stays 10-11 px.
+        fig, ax = plt.subplots(figsize=(7.5, 1.0 + 0.2 * lines + 0.25 * len(records)))
+        y = range(len(records))
+        ax.barh(y, ratios, color=colors, height=0.6)
+        ax.set_yticks(y, labels, fontsize=9)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        goals = [goal_ratio(r) for r in records]
+        shown = [v for v in ratios + [g for g in goals if g] + [1.0] if v > 0]
+        ax.set_xlim(min(shown) / 1.6, max(shown) * 2.2)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        for i, (ratio, goal) in enumerate(zip(ratios, goals, strict=True)):
+            ax.annotate(f"{ratio:.3g}x", (ratio, i), xytext=(4, 0), textcoords="offset points",
+                        va="center", fontsize=9)
+            if goal:
+                ax.plot([goal, goal], [i - 0.4, i + 0.4], color="black", linewidth=2)
+        ax.set_xlabel("ours / baseline measured in the same run (log scale); "
+                      "black tick: the goal\ngreen: goal met, red: missed", fontsize=9)
+        ax.set_title(GROUPS.get(script, script), fontsize=11)
+        ax.grid(axis="x", which="major", color="0.9")
+        ax.set_axisbelow(True)
+        path = plot_path(script)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, bbox_inches="tight", metadata={"Date": None})
+        plt.close(fig)
+    return path
 
 
-def render(records: list[dict[str, Any]], when: str) -> str:
+def run_time() -> str:
+    """When the kept results were made: their commit time if unchanged since, else the
+    newest file time."""
+    stamp = max(p.stat().st_mtime for p in RESULTS.glob("bench_*.txt"))
+    kept = str(RESULTS / "bench_*.txt")
+    try:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", kept],
+                               capture_output=True, text=True, check=True, cwd=HERE).stdout
+        committed = subprocess.run(["git", "log", "-1", "--format=%ct", "--", kept],
+                                   capture_output=True, text=True, check=True, cwd=HERE).stdout
+        if not dirty.strip() and committed.strip():
+            stamp = float(committed)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return dt.datetime.fromtimestamp(stamp, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def render(records: list[dict[str, Any]], when: str,
+           plots: dict[str, Path | None]) -> str:
     lines = [
         "# Benchmarks",
         "",
@@ -109,21 +217,30 @@ def render(records: list[dict[str, Any]], when: str) -> str:
         "script in `benchmarks/` prints `BENCH {json}` lines; `python benchmarks/report.py",
         "--run` runs them all and renders this page.",
         "",
-        f"Run: {when}. Machine: {machine()}.",
+        f"Run: {when}. Machine: {recorded_machine()}.",
         "",
-        "![ours relative to the baseline, per measure](img/benchmarks.png)",
-        "",
-        "The plot shows the measures whose ratio reads \"higher is better\"; those with an",
-        "absolute goal (microseconds added per message, a p99 latency) are in the table.",
-        "",
-        "| bench | measure | ours | baseline | ratio | goal | met |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+        "Each section plots the measures whose ratio reads \"higher is better\" (green: goal",
+        "met, red: missed; the black tick is the goal); click a plot to open it full size.",
+        "Those with an absolute goal (microseconds added per message, a p99 latency) are in",
+        "the tables only.",
     ]
-    for r in records:
-        lines.append(
-            f"| {r['bench']} | {r['metric']} | {r['ours']} | {r['baseline']} | "
-            f"{r['ratio']} | {r.get('goal', '')} | {'yes' if r.get('met') else '**no**'} |"
-        )
+    for script, group in groups(records):
+        lines += ["", f"## {GROUPS.get(script, script)}", ""]
+        path = plots.get(script)
+        if path is not None:
+            src = path.relative_to(DOCS).as_posix()
+            title = GROUPS.get(script, script)
+            lines += [f"[![{title}: ours relative to the baseline, per measure]({src})]({src})",
+                      ""]
+        lines += [
+            "| bench | measure | ours | baseline | ratio | goal | met |",
+            "| --- | --- | ---: | ---: | ---: | --- | --- |",
+        ]
+        for r in group:
+            lines.append(
+                f"| {r['bench']} | {r['metric']} | {r['ours']} | {r['baseline']} | "
+                f"{r['ratio']} | {r.get('goal', '')} | {'yes' if r.get('met') else '**no**'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -138,12 +255,13 @@ def main() -> int:
     if not records:
         print("no BENCH lines in benchmarks/results/: run with --run first", file=sys.stderr)
         return 1
-    stamp = max(p.stat().st_mtime for p in RESULTS.glob("bench_*.txt"))
-    when = dt.datetime.fromtimestamp(stamp, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    plot(records)
-    PAGE.write_text(render(records, when))
-    print(f"wrote {PAGE.relative_to(HERE.parent)} and {PLOT.relative_to(HERE.parent)} "
-          f"({len(records)} measures)")
+    for old in PLOTS.glob("*.svg"):
+        old.unlink()
+    plots = {script: plot(script, group) for script, group in groups(records)}
+    PAGE.write_text(render(records, run_time(), plots))
+    drawn = sum(1 for path in plots.values() if path is not None)
+    print(f"wrote {PAGE.relative_to(HERE.parent)} and {drawn} plots in "
+          f"{PLOTS.relative_to(HERE.parent)} ({len(records)} measures)")
     return 0
 
 

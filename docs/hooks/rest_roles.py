@@ -51,6 +51,7 @@ class Role:
         else:
             target = body
             self.title = ""
+        target = target.replace(" ", "")  # a dotted name has no spaces
         if target.startswith("!"):
             self.link = False
             target = target[1:]
