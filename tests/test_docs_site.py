@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from docs_site import DOCS, Page, build, pages, source_of
+from docs_site import DOCS, REPO, Page, build, pages, source_of
 
 ROLE_MARKER = re.compile(r"(?<![\w:]):(?:py:)?(?:class|meth|func|attr|mod|exc|data|obj|const):")
 RAW_MARKDOWN = {
@@ -175,6 +175,45 @@ def test_api_reference_links_its_cross_references(built: dict[Path, Page]) -> No
     assert any("reference/consumer/#msgpatterns.consumer.Consumer" in link
                or link.startswith("../consumer/#msgpatterns.consumer.Consumer")
                for link in page.links)
+
+
+PUBLIC_PACKAGES = ("msgpatterns", "msgpatterns.aio", "msgpatterns.batching",
+                   "msgpatterns.brokers", "msgpatterns.brokers.admin",
+                   "msgpatterns.idempotency", "msgpatterns.integrations",
+                   "msgpatterns.observability", "msgpatterns.ordering", "msgpatterns.raw",
+                   "msgpatterns.spark", "msgpatterns.testing")
+
+
+def test_every_exported_name_has_an_api_reference_entry(
+    site: Path, built: dict[Path, Page],
+) -> None:
+    """Each name a public package exports (its ``__all__``) is documented on a reference
+    page, under any of its import paths: a role naming it can then link to it."""
+    griffe = pytest.importorskip("griffe")
+    package = griffe.load("msgpatterns", search_paths=[str(REPO / "src")],
+                          resolve_aliases=True, resolve_external=False)
+    collection = package.modules_collection
+    documented: set[str] = set()
+    for path, page in built.items():
+        if path.parts[0] != "reference":
+            continue
+        for anchor in page.ids:
+            try:
+                documented.add(collection[anchor].canonical_path)
+            except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+                continue
+    missing: list[str] = []
+    for name in PUBLIC_PACKAGES:
+        module = collection[name]
+        for export in module.exports or ():
+            try:
+                canonical = module[str(export)].canonical_path
+            except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+                canonical = f"{name}.{export}"
+            if canonical not in documented:
+                missing.append(f"{name}.{export}")
+    assert len(documented) > 100
+    assert missing == []
 
 
 def test_benchmark_plots_are_svgs_that_open_full_size(built: dict[Path, Page]) -> None:
