@@ -58,6 +58,9 @@ def test_no_raw_rest_roles(built: dict[Path, Page]) -> None:
         if ROLE_MARKER.search(_article(page))
     }
     assert raw == {}
+    leftover = [str(path) for path, page in built.items()
+                if "autoref" in page.path.read_text(encoding="utf-8").replace("autorefs", "")]
+    assert leftover == []  # every cross-reference marker was resolved or dropped
 
 
 def test_no_raw_markdown_outside_code(built: dict[Path, Page]) -> None:
