@@ -7,9 +7,11 @@ docstring may be written either way:
 - ``RestRoles``, a Griffe extension (``mkdocs.yml``: mkdocstrings' python handler,
   ``extensions:``), rewrites the docstrings once the package is loaded. A role's target
   is resolved the way Python would from the docstring's own scope (members, imports,
-  enclosing class and module; ``.name`` relative to the enclosing scopes), then written
-  as an mkdocs-autorefs cross-reference to the object's canonical path. A target that is
-  not an object of the package (another library, a private helper) becomes inline code:
+  enclosing class and module, inherited members; ``.name`` relative to the enclosing
+  scopes), then written as an optional mkdocs-autorefs cross-reference to the object's
+  canonical path: a link when a reference page renders the object, inline code when
+  none does (an internal module, a member without a docstring). A target that is not an
+  object of the package (another library, an ambiguous bare name) becomes inline code:
   never a link that leads nowhere, never a raw role.
 - ``on_page_markdown``, an MkDocs hook (``mkdocs.yml``: ``hooks:``), does the same in
   the guides, where there is no scope: targets must be fully qualified there, and
