@@ -52,7 +52,7 @@ def _missing(reason: str) -> None:
 
 
 def _chromium() -> str:
-    path = os.environ.get("MSGPATTERNS_CHROMIUM") or shutil.which("chromium")
+    path = shutil.which(os.environ.get("MSGPATTERNS_CHROMIUM") or "chromium")
     if not path:
         _missing("no chromium executable (apt-get install chromium)")
     return str(path)
