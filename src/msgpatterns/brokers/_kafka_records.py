@@ -274,7 +274,8 @@ def judge(record: RecordView, retry_topics: Mapping[str, str], group: str,
     """The :class:`Verdict` on ``record`` for ``group`` at ``now``; ``retry_topics``
     maps each retry topic read to its topic."""
     topic = retry_topics.get(record.read_topic, record.read_topic)
-    problem = malformed(record.value, record.headers)
+    problem = malformed(record.value, record.headers) or h.header_problem(
+        {k: codec.text(v) for k, v in record.headers if k.startswith(h.PREFIX)}, now=now)
     if problem is not None:
         return Verdict("reject", topic, problem=problem)
     t = codec.split_transport(record.headers)

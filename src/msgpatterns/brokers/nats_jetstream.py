@@ -44,13 +44,21 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from msgpatterns import headers as h
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.delivery import receipt_of
-from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, ConfigurationError
+from msgpatterns.errors import (
+    BrokerClosed,
+    BrokerError,
+    BrokerUnavailable,
+    ConfigurationError,
+    MalformedMessage,
+    printable,
+)
 from msgpatterns.message import Message
 
 nats = require("nats", "nats")
@@ -436,6 +444,11 @@ class NatsJetStreamBroker(BrokerAdapter):
         dead-lettered (unreadable)."""
         meta = msg.metadata
         stream_seq = meta.sequence.stream
+        problem = h.header_problem(msg.headers or {}, now=time.time())
+        if problem is not None:  # a forged or corrupt library header: this one only
+            await self._bury_malformed(msg, topic, group, f"{meta.stream}:{stream_seq}",
+                                       problem)
+            return None
         t = codec.split_transport(msg.headers or {}, drop=_DROP)
         parked = 1 if t.headers.pop(_PARKED, None) else 0
         if t.due_at is not None:
@@ -457,6 +470,26 @@ class NatsJetStreamBroker(BrokerAdapter):
         )
         message.receipt = _Receipt(msg, topic, group)
         return message
+
+    async def _bury_malformed(self, msg: Any, topic: str, group: str, fallback_id: str,
+                              problem: str) -> None:
+        """Dead-letter one delivery whose library headers are unusable (``problem``
+        says why), keeping its body and its user headers; then ack it."""
+        t = codec.split_transport(msg.headers or {}, drop=_DROP)
+        message = Message(
+            msg.data, id=t.id or fallback_id, key=t.key, topic=topic,
+            headers={k: v for k, v in t.headers.items() if not k.startswith(h.PREFIX)},
+            offset=msg.metadata.sequence.stream,
+        )
+        reason = f"malformed message: {problem}"
+        log.error("%s: dead-lettering %s of %s: %s", self.name, message.id, topic,
+                  printable(problem))
+        record = DeadLetter.from_error(message, MalformedMessage(problem), now=time.time(),
+                                       reason=reason, group=group)
+        await self._send(topic, self.dead_letter_subject(topic),
+                         codec.dead_letter_body(record), codec.dead_letter_headers(record),
+                         None)
+        await msg.ack()
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
         r = receipt_of(message, _Receipt, _OWNER)
