@@ -142,11 +142,12 @@ def _rabbitmq(url: str) -> Opened:
 def _kafka(url: str) -> Opened:
     """Kafka, with CONNECT_TIMEOUT for connections, requests and delivery reports, and
     librdkafka's log routed to logging (silent unless --debug)."""
+    from msgpatterns.brokers._kafka_records import bootstrap_servers
     from msgpatterns.brokers.kafka import KafkaBroker
 
     timeout_ms = int(CONNECT_TIMEOUT * 1000)
     config: dict[str, Any] = {
-        "bootstrap.servers": urlsplit(url).netloc,
+        "bootstrap.servers": bootstrap_servers(f"kafka://{urlsplit(url).netloc}"),
         "socket.connection.setup.timeout.ms": timeout_ms,
         "socket.timeout.ms": timeout_ms,
         "logger": _kafka_log,
