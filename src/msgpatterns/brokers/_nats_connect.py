@@ -150,5 +150,6 @@ async def open_connection(
         cause = last[0]
     why = (f"{type(cause).__name__}: {describe(cause)}" if cause is not None
            else "no answer")
+    when = "" if fatal.done() else f" within {timeout:g} s"
     raise BrokerUnavailable(hide_passwords_in(
-        f"cannot connect to NATS at {where(servers)} within {timeout:g} s: {why}", servers))
+        f"cannot connect to NATS at {where(servers)}{when}: {why}", servers))
