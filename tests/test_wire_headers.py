@@ -340,3 +340,38 @@ def test_kafka_async_forged_attempt_dead_letters_that_record(kafka_bootstrap: st
         dead = _eventually_dead(admin, topic, group, 1)
     assert [d.message.raw_body for d in dead] == [b"attempt-huge"]
     assert h.ATTEMPT in dead[0].reason and "out of range" in dead[0].reason
+
+
+# -- Redis Streams ---------------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_redis_forged_attempt_dead_letters_that_entry(redis_url: str, unique: str) -> None:
+    """Redis Streams already refused non-numbers; the shared check adds the range (an
+    attempt of 1,000,000 was taken at its word)."""
+    require_library("redis", "RedisStreamsBroker")
+    from msgpatterns.brokers import RedisStreamsBroker
+
+    topic = f"hdr-{unique}"
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.skip("redis-cli not installed")
+
+    def redis(*args: str) -> None:
+        subprocess.run([cli, "-u", redis_url, *args], check=True, timeout=30,
+                       capture_output=True)
+
+    try:
+        with RedisStreamsBroker(redis_url) as broker:
+            broker.subscribe(topic, "g")
+            redis("XADD", topic, "*", "body", "attempt-huge",
+                  "headers", f'{{"{h.ATTEMPT}": "1000000"}}')
+            redis("XADD", topic, "*", "body", "good", "headers", f'{{"{h.ATTEMPT}": "2"}}')
+            got = drain(broker, topic, "g", count=1, within=15)
+            assert [(m.raw_body, m.attempt) for m in got] == [(b"good", 2)]
+            broker.ack(got[0])
+            dead = _eventually_dead(broker, topic, "g", 1)
+        assert len(dead) == 1 and b"attempt-huge" in dead[0].message.raw_body
+        assert h.ATTEMPT in dead[0].reason and "out of range" in dead[0].reason
+    finally:
+        redis("DEL", topic, f"{topic}:dlq", f"{topic}:retry:g")
