@@ -10,6 +10,7 @@ carries the credentials (an active attacker strips TLS by editing the INFO line)
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import socket
 import ssl
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from broker_harness import require_library
-from msgpatterns.errors import BrokerUnavailable, ConfigurationError
+from msgpatterns.errors import BrokerError, BrokerUnavailable, ConfigurationError
 from msgpatterns.testing import services
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(90)]
@@ -72,40 +73,53 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     return Certs(d / "ca.pem", d / "other.pem", d / "server.pem", d / "server.key")
 
 
-@pytest.fixture(scope="module")
-def tls_server(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """A JetStream nats-server requiring TLS on a free port; its port."""
+def start_server(directory: Path, port: int, tls: Certs | None) -> subprocess.Popen[bytes]:
+    """A nats-server on 127.0.0.1:``port`` (JetStream; TLS required when ``tls``),
+    started and ready; stop it with :func:`stop_server`."""
     require_library("nats", "NatsJetStreamBroker")
     if not Path(NATS_SERVER).exists():
         if services.services_required():
             pytest.fail("nats-server binary not found")
         pytest.skip("nats-server binary not found")
-    d = tmp_path_factory.mktemp("nats-tls-server")
-    port = free_port()
-    (d / "server.conf").write_text(
-        f'listen: "127.0.0.1:{port}"\n'
-        f'jetstream {{ store_dir: "{d / "js"}" }}\n'
-        f'tls {{ cert_file: "{certs.cert}", key_file: "{certs.key}", timeout: 5 }}\n')
-    proc = subprocess.Popen([NATS_SERVER, "-c", str(d / "server.conf")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    directory.mkdir(parents=True, exist_ok=True)
+    conf = directory / "server.conf"
+    text = f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{directory / "js"}" }}\n'
+    if tls is not None:
+        text += f'tls {{ cert_file: "{tls.cert}", key_file: "{tls.key}", timeout: 5 }}\n'
+    conf.write_text(text)
+    proc = subprocess.Popen([NATS_SERVER, "-c", str(conf)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    give_up = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > give_up:
+                stop_server(proc)
+                raise RuntimeError("the test's nats-server did not start") from None
+            time.sleep(0.05)
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a server this test started (by its pid)."""
+    proc.terminate()
     try:
-        give_up = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > give_up:
-                    raise RuntimeError("the test's nats-server did not start") from None
-                time.sleep(0.05)
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def tls_server(certs: Certs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A JetStream nats-server requiring TLS on a free port; its port."""
+    port = free_port()
+    proc = start_server(tmp_path_factory.mktemp("nats-tls-server"), port, certs)
+    try:
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
 
 
 class RecordingProxy:
@@ -114,6 +128,7 @@ class RecordingProxy:
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.sent = bytearray()
+        self.connections = 0
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._server.getsockname()[1])
         self._stop = threading.Event()
@@ -128,7 +143,13 @@ class RecordingProxy:
                 client, _ = self._server.accept()
             except OSError:
                 continue
-            upstream = socket.create_connection(self.target)
+            self.connections += 1
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:  # the server is down: the client sees a closed connection
+                client.close()
+                continue
+            upstream.settimeout(None)
             self._socks += [client, upstream]
             threading.Thread(target=self._pump, args=(client, upstream, True),
                              daemon=True).start()
@@ -251,3 +272,35 @@ def test_cli_tls_ca_file(tls_server: int, certs: Certs) -> None:
     other = _cli("dlq", "list", "redis://127.0.0.1:1", "--topic", "orders",
                  "--tls-ca-file", str(certs.ca))
     assert other.returncode != 0 and "--tls-ca-file is for nats://" in other.stderr
+
+
+def test_a_reconnect_to_a_server_now_without_tls_sends_nothing_in_plaintext(
+        certs: Certs, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Connected over TLS; the server is replaced by a plaintext one on the same port
+    (what an attacker in the path can fake). The client keeps trying, and refuses
+    each time before CONNECT: nothing it sends is readable."""
+    from msgpatterns.brokers import NatsJetStreamBroker
+
+    port = free_port()
+    server = start_server(tmp_path / "tls", port, certs)
+    proxy = RecordingProxy(("127.0.0.1", port))
+    broker = None
+    try:
+        broker = NatsJetStreamBroker(f"tls://alice:{SECRET}@127.0.0.1:{proxy.port}",
+                                     tls_ca_file=str(certs.ca), connect_timeout=10)
+        assert b"CONNECT {" not in proxy.sent  # the first CONNECT went inside TLS
+        stop_server(server)
+        server = start_server(tmp_path / "plain", port, None)
+        caplog.set_level(logging.WARNING, logger="msgpatterns.brokers.nats")
+        give_up = time.monotonic() + 30
+        while "TlsNotOffered" not in caplog.text:
+            assert time.monotonic() < give_up, "no reconnect attempt was refused"
+            time.sleep(0.05)
+        assert b"CONNECT {" not in proxy.sent and SECRET.encode() not in proxy.sent
+        assert SECRET not in caplog.text
+    finally:
+        if broker is not None:
+            with contextlib.suppress(BrokerError):
+                broker.close()
+        proxy.close()
+        stop_server(server)
