@@ -116,6 +116,50 @@ def test_nats_password_stays_out_of_repr_errors_and_dead_letters(logs: Any,
         delete_nats_stream(url, topic)
 
 
+@pytest.mark.nats
+def test_nats_password_stays_out_of_spans(unique: str) -> None:
+    """The span of a delivery whose handler failed with the adapter's error: its
+    status and exception event hold the error text, never the password."""
+    require_library("nats", "NatsJetStreamBroker")
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from msgpatterns.brokers import NatsJetStreamBroker
+    from msgpatterns.observability import instrument, uninstrument
+
+    url = services.require("nats")
+    with_password = url.replace("nats://", f"nats://alice:{SECRET}@", 1)
+    topic = f"redact-span-{unique}"
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    instrument(tracer_provider=provider)
+    try:
+        with NatsJetStreamBroker(with_password) as broker:
+            gone = NatsJetStreamBroker(with_password)
+            gone.close()
+
+            def handler(message: Any) -> None:
+                gone.publish(topic, b"x")
+
+            broker.publish(topic, b"m")
+            Consumer(broker, handler, topics=[topic], group="g",
+                     retry=RetryPolicy(max_attempts=1),
+                     poll_timeout=0.05).run_until_idle(timeout=30)
+    finally:
+        uninstrument()
+        delete_nats_stream(url, topic)
+    shown = []
+    for span in spans.get_finished_spans():
+        shown.append(str(span.status.description))
+        shown += [str(dict(event.attributes or {})) for event in span.events]
+        shown.append(str(dict(span.attributes or {})))
+    assert any("BrokerClosed" in text or "is closed" in text for text in shown), shown
+    assert all(SECRET not in text for text in shown)
+
+
 # -- Kafka -------------------------------------------------------------------------------
 
 
