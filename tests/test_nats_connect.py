@@ -13,11 +13,13 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from broker_harness import require_library
 from msgpatterns.errors import BrokerUnavailable
+from nats_servers import free_port, start_server, stop_server
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(60)]
 
@@ -130,3 +132,24 @@ def test_the_dlq_cli_on_a_dead_nats_url_is_one_line_within_its_timeout() -> None
     assert len(lines) == 1 and "ConnectionRefused" in lines[0], done.stderr
     assert "s3cret" not in done.stderr and "Task was destroyed" not in done.stderr
     assert elapsed < CONNECT_TIMEOUT + SLACK + 2.0, elapsed  # + interpreter start-up
+
+
+def test_refused_credentials_fail_at_once_without_showing_them(tmp_path: Path) -> None:
+    """An authorization violation is not transient: it ends the connect at once
+    (before: retried until connect_timeout), named, password redacted."""
+    from msgpatterns.brokers import NatsJetStreamBroker
+
+    port = free_port()
+    server = start_server(tmp_path, port,
+                          extra='authorization { user: alice, password: "right-one" }\n')
+    try:
+        started = time.monotonic()
+        with pytest.raises(BrokerUnavailable, match="Authorization Violation") as caught:
+            NatsJetStreamBroker(f"nats://alice:wrong-s3cret@127.0.0.1:{port}",
+                                connect_timeout=30)
+        assert time.monotonic() - started < 15  # not retried until the timeout
+        assert "wrong-s3cret" not in str(caught.value)
+        with NatsJetStreamBroker(f"nats://alice:right-one@127.0.0.1:{port}") as broker:
+            assert "right-one" not in repr(broker)
+    finally:
+        stop_server(server)

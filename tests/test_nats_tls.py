@@ -28,17 +28,11 @@ import pytest
 from broker_harness import require_library
 from msgpatterns.errors import BrokerError, BrokerUnavailable, ConfigurationError
 from msgpatterns.testing import services
+from nats_servers import free_port, start_server, stop_server
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(90)]
 
-NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 SECRET = "pw-" + uuid.uuid4().hex[:12]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -71,44 +65,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
             "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf",
             cwd=d)
     return Certs(d / "ca.pem", d / "other.pem", d / "server.pem", d / "server.key")
-
-
-def start_server(directory: Path, port: int, tls: Certs | None) -> subprocess.Popen[bytes]:
-    """A nats-server on 127.0.0.1:``port`` (JetStream; TLS required when ``tls``),
-    started and ready; stop it with :func:`stop_server`."""
-    require_library("nats", "NatsJetStreamBroker")
-    if not Path(NATS_SERVER).exists():
-        if services.services_required():
-            pytest.fail("nats-server binary not found")
-        pytest.skip("nats-server binary not found")
-    directory.mkdir(parents=True, exist_ok=True)
-    conf = directory / "server.conf"
-    text = f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{directory / "js"}" }}\n'
-    if tls is not None:
-        text += f'tls {{ cert_file: "{tls.cert}", key_file: "{tls.key}", timeout: 5 }}\n'
-    conf.write_text(text)
-    proc = subprocess.Popen([NATS_SERVER, "-c", str(conf)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    give_up = time.monotonic() + 20
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > give_up:
-                stop_server(proc)
-                raise RuntimeError("the test's nats-server did not start") from None
-            time.sleep(0.05)
-
-
-def stop_server(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a server this test started (by its pid)."""
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")

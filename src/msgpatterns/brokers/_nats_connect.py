@@ -7,9 +7,10 @@ Guarantees:
   the servers do (refuse, never answer, answer slowly). Nothing it started is left
   running: the connect task is cancelled and awaited, the half-open client closed.
   Retries while connecting are silent; the error names the last failure.
-* A failure that a retry cannot mend - a TLS handshake or certificate error, an
-  authorization violation, a server that does not offer TLS when TLS is wanted - ends
-  the attempt at once, and the error names it (``SSLCertVerificationError: ...``).
+* A failure that a retry cannot mend - a TLS handshake or certificate error, refused
+  credentials (``Authorization Violation``), a server that does not offer TLS when TLS
+  is wanted - ends the attempt at once, and the error names it
+  (``SSLCertVerificationError: ...``).
 * TLS is wanted when a server URL is ``tls://`` or a TLS context or CA file is given.
   Then the session is TLS or there is no session: a server whose INFO does not require
   TLS (a plaintext server, or a man in the middle stripping TLS) is refused before
@@ -89,9 +90,19 @@ def tls_settings(servers: Sequence[str], tls_context: ssl.SSLContext | None,
         raise ConfigurationError(f"cannot load the CA file {tls_ca_file!r}: {exc}") from exc
 
 
+#: What the server's ``-ERR`` says when credentials are refused (nats-py raises them
+#: as a plain ``nats.errors.Error`` while connecting).
+_AUTH_REFUSED = ("authorization violation", "authentication expired",
+                 "authentication revoked")
+
+
 def _permanent(error: BaseException) -> bool:
-    """A connect failure that retrying within the timeout would not mend."""
-    return isinstance(error, ssl.SSLError | TlsNotOffered | nats.errors.AuthorizationError)
+    """A connect failure that retrying within the timeout would not mend: TLS, or
+    credentials the server refused (never retried as transient)."""
+    if isinstance(error, ssl.SSLError | TlsNotOffered | nats.errors.AuthorizationError):
+        return True
+    return isinstance(error, nats.errors.Error) and any(
+        refused in str(error).lower() for refused in _AUTH_REFUSED)
 
 
 async def open_connection(
