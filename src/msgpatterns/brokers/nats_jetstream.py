@@ -60,6 +60,7 @@ from msgpatterns.errors import (
     ConfigurationError,
     MalformedMessage,
     printable,
+    seconds,
 )
 from msgpatterns.message import Message
 
@@ -156,7 +157,8 @@ class NatsJetStreamBroker(BrokerAdapter):
     ) -> None:
         if visibility_timeout <= 0:
             raise ConfigurationError("visibility_timeout must be positive")
-        if not connect_timeout > 0:
+        connect_timeout = seconds(connect_timeout) or 0.0
+        if connect_timeout <= 0:
             raise ConfigurationError("connect_timeout must be positive")
         self.servers = [url] if isinstance(url, str) else list(url)
         self.visibility_timeout = float(visibility_timeout)
@@ -507,7 +509,7 @@ class NatsJetStreamBroker(BrokerAdapter):
             offset=msg.metadata.sequence.stream,
         )
         reason = f"malformed message: {problem}"
-        log.error("%s: dead-lettering %s of %s: %s", self.name, message.id, topic,
+        log.error("%s: dead-lettering %r of %s: %s", self.name, message.id, topic,
                   printable(problem))
         record = DeadLetter.from_error(message, MalformedMessage(problem), now=time.time(),
                                        reason=reason, group=group)
