@@ -7,9 +7,10 @@ is redacted the same way wherever it appears.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-__all__ = ["hide_password_in", "redact_url"]
+__all__ = ["hide_password_in", "hide_passwords_in", "redact_url"]
 
 _SECRET_PARAMS = frozenset({"password", "passwd", "pass", "pwd", "secret", "token"})
 _NOT_SQL = ("redis", "rediss", "unix", "amqp", "amqps", "kafka", "nats", "tls", "http",
@@ -74,4 +75,12 @@ def hide_password_in(text: str, url: str) -> str:
         password = None
     for secret in {password, unquote(password)} if password else ():
         text = text.replace(secret, "***")
+    return text
+
+
+def hide_passwords_in(text: str, urls: Iterable[str]) -> str:
+    """``text`` with the password of every URL in ``urls`` replaced by ``***`` (see
+    :func:`hide_password_in`), and any URL of them that appears in it redacted."""
+    for url in urls:
+        text = hide_password_in(text.replace(url, redact_url(url)), url)
     return text

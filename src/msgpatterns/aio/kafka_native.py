@@ -54,6 +54,7 @@ from msgpatterns.brokers._kafka_records import (
     KafkaReceipt,
     OffsetTracker,
     RecordView,
+    bootstrap_servers,
     judge,
     malformed_letter,
 )
@@ -160,7 +161,7 @@ class AIOKafkaBroker:
         if not isinstance(url, str) or not url:
             raise ConfigurationError("AIOKafkaBroker needs 'host:port' or a kafka:// URL, "
                                      f"got {url!r}")
-        self.bootstrap_servers = url.split("://", 1)[-1]
+        self.bootstrap_servers = bootstrap_servers(url)
         self.delivery_timeout = seconds(delivery_timeout) or 0.0
         self.connect_timeout = seconds(connect_timeout) or 0.0
         self.retry_suffix = retry_suffix

@@ -27,7 +27,6 @@ Guarantees:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,17 +113,13 @@ def loads_headers(raw: str | bytes | None) -> dict[str, str]:
     return {str(k): text(v) for k, v in data.items()}
 
 
-# The library's headers whose values must parse as numbers.
-_INTEGER_HEADERS = (h.ATTEMPT, h.ORIGINAL_PARTITION, h.ORIGINAL_OFFSET)
-_NUMBER_HEADERS = (TIMESTAMP, h.RETRY_DUE_AT, h.FIRST_FAILED_AT, h.LAST_FAILED_AT)
-
-
 def parse_headers(raw: str | bytes | None) -> dict[str, str]:
     """The strict twin of :func:`loads_headers`, for headers that came off the wire.
 
     Guarantees: returns a ``dict[str, str]`` or raises ``ValueError`` whose text says
     what is wrong (not UTF-8 JSON, not an object, a value that is not a string, one of
-    the library's numeric headers that is not a finite number, an attempt below 1), so
+    the library's numeric headers that is not a finite number, an attempt out of
+    range: :func:`msgpatterns.headers.header_problem`), so
     an adapter can dead-letter that one message with the reason instead of guessing.
     """
     if raw is None:
@@ -138,15 +133,9 @@ def parse_headers(raw: str | bytes | None) -> dict[str, str]:
     bad = sorted(str(k) for k, v in data.items() if not isinstance(v, str))
     if bad:
         raise ValueError(f"header values must be strings; not for {bad[:5]}")
-    for name in _INTEGER_HEADERS + _NUMBER_HEADERS:
-        if name not in data:
-            continue
-        try:
-            number = int(data[name]) if name in _INTEGER_HEADERS else float(data[name])
-        except ValueError:
-            raise ValueError(f"header {name} is not a number: {data[name][:50]!r}") from None
-        if not math.isfinite(number) or (name == h.ATTEMPT and number < 1):
-            raise ValueError(f"header {name} is out of range: {data[name][:50]!r}")
+    problem = h.header_problem(data)
+    if problem is not None:
+        raise ValueError(problem)
     return dict(data)
 
 

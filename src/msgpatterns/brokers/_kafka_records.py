@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from msgpatterns import headers as h
+from msgpatterns._redact import redact_url
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.errors import ConfigurationError
 from msgpatterns.message import Message
 
-__all__ = ["GroupState", "KafkaReceipt", "OffsetTracker", "RecordView", "Verdict", "judge",
-           "malformed", "malformed_letter", "record_message", "utf8"]
+__all__ = ["GroupState", "KafkaReceipt", "OffsetTracker", "RecordView", "Verdict",
+           "bootstrap_servers", "judge", "malformed", "malformed_letter", "record_message", "utf8"]
 
 #: A partition: (topic, partition).
 Where = tuple[str, int]
@@ -75,6 +77,24 @@ class OffsetTracker:
 
 
 _EPOCHS = itertools.count(1)  # tracker generations: a receipt names the one it came from
+
+
+
+def bootstrap_servers(url: str) -> str:
+    """The ``host:port[,host:port]`` list of ``url`` (a ``kafka://`` URL or the list
+    itself), as both Kafka adapters and the CLI put it into their client's config.
+
+    Credentials in the URL are refused with a ConfigurationError that never shows the
+    password: the bootstrap list is logged and shown by the Kafka clients themselves
+    (librdkafka's own log lines), and they have settings of their own for SASL."""
+    servers = url.split("://", 1)[1] if "://" in url else url
+    if "@" in servers.split("/", 1)[0]:
+        raise ConfigurationError(
+            f"credentials in a Kafka URL are not supported ({redact_url(url)}): give "
+            "host:port and the SASL settings in the client configuration "
+            "(librdkafka's security.protocol, sasl.mechanism, sasl.username, "
+            "sasl.password)")
+    return servers
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +294,8 @@ def judge(record: RecordView, retry_topics: Mapping[str, str], group: str,
     """The :class:`Verdict` on ``record`` for ``group`` at ``now``; ``retry_topics``
     maps each retry topic read to its topic."""
     topic = retry_topics.get(record.read_topic, record.read_topic)
-    problem = malformed(record.value, record.headers)
+    problem = malformed(record.value, record.headers) or h.header_problem(
+        {k: codec.text(v) for k, v in record.headers if k.startswith(h.PREFIX)}, now=now)
     if problem is not None:
         return Verdict("reject", topic, problem=problem)
     t = codec.split_transport(record.headers)

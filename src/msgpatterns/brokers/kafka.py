@@ -63,6 +63,7 @@ from msgpatterns.brokers._kafka_records import (
     KafkaReceipt,
     OffsetTracker,
     RecordView,
+    bootstrap_servers,
     judge,
     malformed_letter,
 )
@@ -174,10 +175,6 @@ def _view(record: Any) -> RecordView:
                       stamp[1] if stamp[1] > 0 else None)
 
 
-def _bootstrap(url: str) -> str:
-    return url.split("://", 1)[1] if "://" in url else url
-
-
 class KafkaBroker(BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on Kafka.
 
@@ -211,7 +208,7 @@ class KafkaBroker(BrokerAdapter):
         connect_timeout: float = 5.0,
     ) -> None:
         if isinstance(url, str):
-            self._base: dict[str, Any] = {"bootstrap.servers": _bootstrap(url)}
+            self._base: dict[str, Any] = {"bootstrap.servers": bootstrap_servers(url)}
         elif isinstance(url, Mapping):
             self._base = dict(url)
         else:

@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import re
+import ssl
 import threading
 import time
 import uuid
@@ -44,18 +45,34 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from msgpatterns import headers as h
 from msgpatterns._extras import require
+from msgpatterns._redact import hide_passwords_in
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._adapter import BrokerAdapter
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.delivery import receipt_of
-from msgpatterns.errors import BrokerClosed, BrokerError, BrokerUnavailable, ConfigurationError
+from msgpatterns.errors import (
+    BrokerClosed,
+    BrokerError,
+    BrokerUnavailable,
+    ConfigurationError,
+    MalformedMessage,
+    printable,
+    seconds,
+)
 from msgpatterns.message import Message
 
 nats = require("nats", "nats")
 from nats.js import api as js_api  # noqa: E402 - after the extra check
 from nats.js import errors as js_errors  # noqa: E402
+
+from msgpatterns.brokers._nats_connect import (  # noqa: E402
+    open_connection,
+    tls_settings,
+    where,
+)
 
 if TYPE_CHECKING:
     from msgpatterns.brokers.admin.nats_jetstream import NatsJetStreamDeadLetters
@@ -105,12 +122,25 @@ class NatsJetStreamBroker(BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on NATS JetStream.
 
     Args:
-        url: ``nats://host:port`` (comma-separated for a cluster) or a list of them.
+        url: ``nats://host:port`` or ``tls://host:port`` (comma-separated for a
+            cluster) or a list of them; a password in it is never shown (repr, errors,
+            logs, dead letters).
         visibility_timeout: seconds a delivery may stay unacked before the server gives
             it to another consumer of the group (JetStream's ``ack_wait``).
-        connect_timeout: seconds to wait for the server when connecting.
+        connect_timeout: seconds to wait for the server when connecting: after that
+            (or at once on a TLS or authorization failure) the constructor raises
+            :class:`~msgpatterns.errors.BrokerUnavailable` naming the last failure.
         max_age: seconds the stream keeps messages (None: until its limits say so).
         replicas: stream replicas (1 for a single server).
+        tls_context: the :class:`ssl.SSLContext` to connect with (client certificate,
+            CA, verification); implies TLS.
+        tls_ca_file: a CA bundle to verify the server with (a verifying default
+            context); implies TLS.
+
+    TLS (a ``tls://`` URL, ``tls_context`` or ``tls_ca_file``) means TLS or no
+    connection: a server that does not require TLS in its INFO is refused before any
+    credentials are sent, and a failed verification raises an error naming the SSL
+    problem.
     """
 
     def __init__(
@@ -122,14 +152,20 @@ class NatsJetStreamBroker(BrokerAdapter):
         max_age: float | None = None,
         replicas: int = 1,
         name: str | None = None,
+        tls_context: ssl.SSLContext | None = None,
+        tls_ca_file: str | None = None,
     ) -> None:
         if visibility_timeout <= 0:
             raise ConfigurationError("visibility_timeout must be positive")
+        connect_timeout = seconds(connect_timeout) or 0.0
+        if connect_timeout <= 0:
+            raise ConfigurationError("connect_timeout must be positive")
         self.servers = [url] if isinstance(url, str) else list(url)
         self.visibility_timeout = float(visibility_timeout)
         self.max_age = max_age
         self.replicas = replicas
         self.name = name or f"msgpatterns-{uuid.uuid4().hex[:8]}"
+        self._tls = tls_settings(self.servers, tls_context, tls_ca_file)
         self._closed = False
         self._lock = threading.Lock()
         self._streams: set[str] = set()
@@ -270,11 +306,17 @@ class NatsJetStreamBroker(BrokerAdapter):
             raise
         except (nats.errors.NoServersError, nats.errors.ConnectionClosedError,
                 nats.errors.TimeoutError, OSError) as exc:
+            future.cancel()  # a call that outlived its wait leaves nothing running
             if self._closed:
                 raise BrokerClosed(f"{self!r} is closed") from exc
-            raise BrokerUnavailable(f"NATS at {self._where()} unavailable: {exc!r}") from exc
+            raise BrokerUnavailable(self._shown(
+                f"NATS at {self._where()} unavailable: {exc!r}")) from exc
         except nats.errors.Error as exc:
-            raise BrokerError(f"NATS operation failed: {exc!r}") from exc
+            raise BrokerError(self._shown(f"NATS operation failed: {exc!r}")) from exc
+
+    def _shown(self, text: str) -> str:
+        """``text`` (which may quote a client error) without the URLs' passwords."""
+        return hide_passwords_in(text, self.servers)
 
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Start ``coro`` on the I/O loop without waiting (its failure is logged)."""
@@ -300,20 +342,13 @@ class NatsJetStreamBroker(BrokerAdapter):
             self._loop.close()
 
     async def _connect(self, timeout: float) -> Any:
-        try:
-            return await nats.connect(
-                servers=self.servers, name=self.name, connect_timeout=timeout,
-                allow_reconnect=True, max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=self._on_error, disconnected_cb=self._on_disconnect,
-            )
-        except Exception as exc:
-            raise BrokerUnavailable(
-                f"cannot connect to NATS at {self._where()}: {exc!r}"
-            ) from exc
+        return await open_connection(
+            self.servers, name=self.name, timeout=timeout, tls=self._tls,
+            on_error=self._on_error, on_disconnect=self._on_disconnect)
 
     async def _on_error(self, error: Exception) -> None:
-        log.warning("%s: NATS connection error: %r", self.name, error)
+        log.warning("%s: NATS connection error: %s", self.name,
+                    hide_passwords_in(repr(error), self.servers))
 
     async def _on_disconnect(self) -> None:
         if not self._closed:
@@ -436,6 +471,11 @@ class NatsJetStreamBroker(BrokerAdapter):
         dead-lettered (unreadable)."""
         meta = msg.metadata
         stream_seq = meta.sequence.stream
+        problem = h.header_problem(msg.headers or {}, now=time.time())
+        if problem is not None:  # a forged or corrupt library header: this one only
+            await self._bury_malformed(msg, topic, group, f"{meta.stream}:{stream_seq}",
+                                       problem)
+            return None
         t = codec.split_transport(msg.headers or {}, drop=_DROP)
         parked = 1 if t.headers.pop(_PARKED, None) else 0
         if t.due_at is not None:
@@ -457,6 +497,26 @@ class NatsJetStreamBroker(BrokerAdapter):
         )
         message.receipt = _Receipt(msg, topic, group)
         return message
+
+    async def _bury_malformed(self, msg: Any, topic: str, group: str, fallback_id: str,
+                              problem: str) -> None:
+        """Dead-letter one delivery whose library headers are unusable (``problem``
+        says why), keeping its body and its user headers; then ack it."""
+        t = codec.split_transport(msg.headers or {}, drop=_DROP)
+        message = Message(
+            msg.data, id=t.id or fallback_id, key=t.key, topic=topic,
+            headers={k: v for k, v in t.headers.items() if not k.startswith(h.PREFIX)},
+            offset=msg.metadata.sequence.stream,
+        )
+        reason = f"malformed message: {problem}"
+        log.error("%s: dead-lettering %r of %s: %s", self.name, message.id, topic,
+                  printable(problem))
+        record = DeadLetter.from_error(message, MalformedMessage(problem), now=time.time(),
+                                       reason=reason, group=group)
+        await self._send(topic, self.dead_letter_subject(topic),
+                         codec.dead_letter_body(record), codec.dead_letter_headers(record),
+                         None)
+        await msg.ack()
 
     def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
         r = receipt_of(message, _Receipt, _OWNER)
@@ -501,7 +561,7 @@ class NatsJetStreamBroker(BrokerAdapter):
         return [o if isinstance(o, BaseException) else None for o in outcomes]
 
     def _where(self) -> str:
-        return ",".join(self.servers)
+        return where(self.servers)
 
     def __repr__(self) -> str:
         return f"NatsJetStreamBroker({self._where()!r}, name={self.name!r})"

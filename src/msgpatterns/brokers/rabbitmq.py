@@ -197,18 +197,13 @@ def _delivery_count(value: Any, redelivered: bool) -> int:
 
 
 def _attempt(headers: Mapping[str, str], redeliveries: int) -> int:
-    """The durable attempt number; a library attempt header that is not a positive
-    integer is refused (it would reset or corrupt the retry limit)."""
-    raw = headers.get(h.ATTEMPT)
-    if raw is not None:
-        try:
-            valid = int(raw) >= 1
-        except (TypeError, ValueError):
-            valid = False
-        if not valid:
-            raise MalformedMessage(
-                f"header {h.ATTEMPT!r} must be a positive integer, got {raw!r}"
-            )
+    """The durable attempt number; library headers that are out of range (an attempt
+    that is not an integer in range, a time that is not a finite number) are refused:
+    the message is dead-lettered with the reason (see
+    :func:`msgpatterns.headers.header_problem`)."""
+    problem = h.header_problem(headers)
+    if problem is not None:
+        raise MalformedMessage(problem)
     return codec.attempt_of(headers, redeliveries)
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "non_empty",
     "non_negative_int",
     "positive_int",
+    "readable_file",
     "rate",
     "redact_url",
     "secrets_in",
@@ -80,6 +81,16 @@ def non_empty(text: str) -> str:
     """A name that is not empty or blank."""
     if not text.strip():
         raise argparse.ArgumentTypeError("cannot be empty")
+    return text
+
+
+def readable_file(text: str) -> str:
+    """The path of a file that exists and can be read (a CA bundle, a certificate)."""
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {exc.strerror}") from None
     return text
 
 

@@ -28,6 +28,7 @@ from msgpatterns.cli._options import (
     Subcommands,
     non_empty,
     positive_int,
+    readable_file,
     redact_url,
 )
 from msgpatterns.deadletter import DeadLetter
@@ -142,11 +143,12 @@ def _rabbitmq(url: str) -> Opened:
 def _kafka(url: str) -> Opened:
     """Kafka, with CONNECT_TIMEOUT for connections, requests and delivery reports, and
     librdkafka's log routed to logging (silent unless --debug)."""
+    from msgpatterns.brokers._kafka_records import bootstrap_servers
     from msgpatterns.brokers.kafka import KafkaBroker
 
     timeout_ms = int(CONNECT_TIMEOUT * 1000)
     config: dict[str, Any] = {
-        "bootstrap.servers": urlsplit(url).netloc,
+        "bootstrap.servers": bootstrap_servers(f"kafka://{urlsplit(url).netloc}"),
         "socket.connection.setup.timeout.ms": timeout_ms,
         "socket.timeout.ms": timeout_ms,
         "logger": _kafka_log,
@@ -154,11 +156,13 @@ def _kafka(url: str) -> Opened:
     return _opened(KafkaBroker(config, delivery_timeout=CONNECT_TIMEOUT))
 
 
-def _nats(url: str) -> Opened:
-    """NATS JetStream, giving up on an unreachable server after CONNECT_TIMEOUT."""
+def _nats(url: str, tls_ca_file: str | None = None) -> Opened:
+    """NATS JetStream, giving up on an unreachable server after CONNECT_TIMEOUT;
+    TLS (verified) for ``tls://`` URLs or with ``--tls-ca-file``."""
     from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
 
-    return _opened(NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT))
+    return _opened(NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT,
+                                       tls_ca_file=tls_ca_file))
 
 
 _SCHEMES: dict[str, Callable[[str], Opened]] = {
@@ -180,14 +184,21 @@ def _scheme(url: str) -> str:
     return scheme
 
 
-def _open(url: str) -> Opened:
-    return _SCHEMES[_scheme(url)](url)
+def _open(url: str, tls_ca_file: str | None = None) -> Opened:
+    scheme = _scheme(url)
+    if tls_ca_file is None:
+        return _SCHEMES[scheme](url)
+    if _SCHEMES[scheme] is not _nats:
+        raise ConfigurationError(f"--tls-ca-file is for nats:// and tls:// URLs; give the "
+                                 f"CA of a {scheme}:// server in its URL")
+    return _nats(url, tls_ca_file)
 
 
-def open_admin(url: str) -> DeadLetterAdmin:
+def open_admin(url: str, *, tls_ca_file: str | None = None) -> DeadLetterAdmin:
     """The dead-letter admin for ``url``'s scheme (with the command's connect
-    timeouts); its ``close()`` releases everything it opened."""
-    return _open(url)
+    timeouts; ``tls_ca_file`` verifies a NATS server); its ``close()`` releases
+    everything it opened."""
+    return _open(url, tls_ca_file)
 
 
 def register(subparsers: Subcommands) -> None:
@@ -199,6 +210,9 @@ def register(subparsers: Subcommands) -> None:
                         help="topic, stream or exchange")
     common.add_argument("--group", type=non_empty,
                         help="consumer group (required for RabbitMQ)")
+    common.add_argument("--tls-ca-file", type=readable_file, metavar="PATH",
+                        help="CA bundle to verify a NATS server with (implies TLS: "
+                             "refused unless the server requires TLS)")
 
     dlq = subparsers.add_parser("dlq", help="inspect, replay and purge dead letters")
     actions = dlq.add_subparsers(dest="dlq_action", metavar="ACTION")
@@ -236,7 +250,7 @@ def _run(args: argparse.Namespace, action: Callable[[Opened], int]) -> int:
     if _scheme(args.url).startswith("amqp") and not args.group:
         raise ConfigurationError("--group is required for amqp:// URLs "
                                  "(RabbitMQ keeps dead letters per consumer group)")
-    with _open(args.url) as opened:
+    with _open(args.url, args.tls_ca_file) as opened:
         return action(opened)
 
 
