@@ -37,12 +37,12 @@ _TABLE: dict[int, str] = {
 _TABLE_KEEP_NEWLINES = {code: text for code, text in _TABLE.items() if code != ord("\n")}
 
 
-def escape_control(text: str, *, keep_newlines: bool = False) -> str:
-    """``text`` with every character that could act on a terminal or a log written as a
-    visible escape: C0 and C1 control characters (``ESC``, ``CSI``, ``BEL``, ``CR``,
-    newline, tab...) and ``DEL`` as ``\\x1b``, ``\\r``, ``\\n``..., lone surrogates as
-    ``\\udcNN``, the line/paragraph separators and bidirectional controls as
-    ``\\uNNNN``.
+def escape_control(text: object, *, keep_newlines: bool = False) -> str:
+    """``str(text)`` (as ``%s`` formats it: an id, a key, an exception, None) with
+    every character that could act on a terminal or a log written as a visible escape:
+    C0 and C1 control characters (``ESC``, ``CSI``, ``BEL``, ``CR``, newline, tab...)
+    and ``DEL`` as ``\\x1b``, ``\\r``, ``\\n``..., lone surrogates as ``\\udcNN``,
+    the line/paragraph separators and bidirectional controls as ``\\uNNNN``.
 
     ``keep_newlines=True`` keeps ``\\n`` as a line break (for text that is multi-line by
     nature, such as a traceback; the caller indents its lines so none can pass for the
@@ -51,8 +51,13 @@ def escape_control(text: str, *, keep_newlines: bool = False) -> str:
     Printable text is returned unchanged (the same object): the check costs one
     ``str.isprintable()``. Backslashes are not doubled: the result is for reading, not
     for parsing back (``--json`` and structured log fields carry the exact text).
-    Never raises.
+    Never raises (an object whose ``str()`` raises is shown by its type).
     """
+    if not isinstance(text, str):
+        try:
+            text = str(text)
+        except Exception:
+            text = f"<{type(text).__qualname__} whose str() raised>"
     if text.isprintable():
         return text
     out = text.translate(_TABLE_KEEP_NEWLINES if keep_newlines else _TABLE)

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from msgpatterns import headers as h
 from msgpatterns._callables import renamed_arguments
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._ack_window import AckWindow
@@ -1032,7 +1033,7 @@ class RabbitMQBroker(BrokerAdapter):
             message = self._message(topic, method, properties, body)
         except Exception as exc:
             log.warning("%s: delivery %d of %s is malformed (%s); dead-lettering it",
-                        self.name, method.delivery_tag, queue, describe(exc))
+                        self.name, method.delivery_tag, queue, escape_control(describe(exc)))
             self._enqueue(partial(self._dead_letter_malformed, r=receipt, topic=topic,
                                   properties=properties, body=body, error=exc), None)
             return

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from msgpatterns._escape import escape_control
 from msgpatterns.errors import (
     IdempotencyConflict,
     InProgress,
@@ -241,7 +242,7 @@ def skip_or_raise(claim: Claim, store_result: bool = False) -> Executed[Any]:
     ``store_result`` a DONE key's stored result is the outcome's ``result``
     (:class:`~msgpatterns.idempotency.results.ResultNotStored` when it has none)."""
     if claim.status is Status.DONE:
-        log.debug("duplicate skipped: %s is done", claim.key)
+        log.debug("duplicate skipped: %s is done", escape_control(claim.key))
         return Executed(False, claim.stored_result() if store_result else None, claim)
     if claim.status is Status.IN_PROGRESS:
         raise InProgress(
@@ -262,7 +263,8 @@ def refuse_unavailable(stats: IdempotencyStats, key: str, error: StoreUnavailabl
         refusal.__cause__ = error
         return refusal
     stats.add("processed_without_dedup")
-    log.warning("idempotency store unavailable, processing %s WITHOUT dedup: %s", key, error)
+    log.warning("idempotency store unavailable, processing %s WITHOUT dedup: %s",
+                escape_control(key), escape_control(error))
     return None
 
 
@@ -298,7 +300,7 @@ def log_lost(claims: Sequence[Claim], done: Sequence[bool], stats: IdempotencySt
         log.warning(
             "lease on %s expired before completion and another owner took it; its "
             "effect may be applied twice (raise the lease above the handler's longest "
-            "run)", claim.key,
+            "run)", escape_control(claim.key),
         )
 
 
@@ -427,10 +429,11 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
         try:
             released = yield from release_steps(rules, [claim])
             if not released[0]:
-                log.debug("release of %s: the lease was no longer ours", claim.key)
+                log.debug("release of %s: the lease was no longer ours",
+                          escape_control(claim.key))
         except StoreUnavailable as exc:
             log.warning("could not release %s (%s); it frees itself when its lease "
-                        "expires", claim.key, exc)
+                        "expires", escape_control(claim.key), escape_control(exc))
         raise
     if options.store_result:
         claim = with_result(claim, result, rules.stats, options.max_result_bytes)
@@ -443,7 +446,8 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
     except StoreUnavailable as exc:
         log.error(
             "effect for %s applied but not recorded as done (%s); the lease will "
-            "expire and a duplicate delivered after that applies it again", store_key, exc,
+            "expire and a duplicate delivered after that applies it again",
+            escape_control(store_key), escape_control(exc),
         )
     return Executed(True, result, claim)
 
