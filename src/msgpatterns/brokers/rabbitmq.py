@@ -79,6 +79,7 @@ from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._ack_window import AckWindow
 from msgpatterns.brokers._adapter import BrokerAdapter
+from msgpatterns.brokers._amqp_tls import pika_url
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._reconnect import (
     RECONNECT_BACKOFF,
@@ -293,7 +294,9 @@ def url_parameters(url: Any, connect_timeout: float | None = None) -> Any:
                 f"expected an amqp:// URL or pika.ConnectionParameters, got {url!r}")
         return url
     try:
-        params = pika.URLParameters(url)
+        params = pika.URLParameters(pika_url(url))  # cafile= etc. as with aio-pika
+    except ConfigurationError:
+        raise
     except Exception as exc:
         raise ConfigurationError(f"not a usable AMQP URL: {describe(exc)}") from exc
     if connect_timeout is not None:

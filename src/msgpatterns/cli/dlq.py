@@ -126,11 +126,10 @@ def _rabbitmq(url: str) -> Opened:
     connection, one attempt per connect (the URL's own ``connection_attempts=...``
     etc. win). The admin needs no adapter (no I/O thread): it works on short-lived
     connections of its own."""
-    import pika
-
     from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
+    from msgpatterns.brokers.rabbitmq import url_parameters
 
-    params = pika.URLParameters(url)
+    params = url_parameters(url)  # cafile=... spelled as for both drivers
     given = _query(url)
     for option, value in (("connection_attempts", 1), ("socket_timeout", CONNECT_TIMEOUT),
                           ("stack_timeout", CONNECT_TIMEOUT),
