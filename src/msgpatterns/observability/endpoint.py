@@ -63,6 +63,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     once (see the module docstring)."""
 
     daemon_threads = True
+    #: The listen backlog: socketserver's default (5) leaves the connections of a burst
+    #: waiting for the kernel's SYN-ACK retries (seconds each) instead of being
+    #: accepted - and served or refused - at once.
+    request_queue_size = socket.SOMAXCONN
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
                  *, read_timeout: float = DEFAULT_READ_TIMEOUT,
