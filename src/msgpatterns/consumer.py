@@ -34,6 +34,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._callables import require_sync_callable
+from msgpatterns._escape import escape_control
 from msgpatterns.brokers.base import Broker
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
@@ -420,8 +421,8 @@ class Consumer(DriverBase):
                 else:
                     execute(message)
             except BaseException:  # the worker survives whatever happens
-                log.exception("%s: running message %s failed", self.name, message.id,
-                              extra=self._log_extra(message))
+                log.exception("%s: running message %s failed", self.name,
+                              escape_control(message.id), extra=self._log_extra(message))
 
     def _pump(self) -> None:
         """Ordered mode: admit each message past its key's gate onto the key's lane."""
@@ -448,8 +449,8 @@ class Consumer(DriverBase):
         try:
             self._execute(message)
         except BaseException:  # the lane survives whatever happens
-            log.exception("%s: running message %s failed", self.name, message.id,
-                          extra=self._log_extra(message))
+            log.exception("%s: running message %s failed", self.name,
+                          escape_control(message.id), extra=self._log_extra(message))
 
     # -- one delivery ---------------------------------------------------------------
 
@@ -630,8 +631,8 @@ class Consumer(DriverBase):
         try:
             self._run_claimed(guard, batch, entry)
         except BaseException:  # the lane survives whatever happens
-            log.exception("%s: running message %s failed", self.name, entry.message.id,
-                          extra=self._log_extra(entry.message))
+            log.exception("%s: running message %s failed", self.name,
+                          escape_control(entry.message.id), extra=self._log_extra(entry.message))
 
     def _run_claimed(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
         """Run one claimed message's handler; the batch's last finisher completes it."""

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from msgpatterns._escape import escape_control
 from msgpatterns.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ class Delivery(Generic[R]):
             if source in ("ack", "handler"):
                 log.warning(
                     "message %s: %s ignored, the delivery was already settled (%s)",
-                    message.id,
+                    escape_control(message.id),
                     "ack" if source == "ack" else f"handler error {error!r}",
                     "failed: " + repr(first) if first is not None else "acked",
                     extra={"message_id": message.id, "topic": message.topic,

@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._callables import renamed_arguments
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._batch import failed, outgoing
@@ -358,7 +359,8 @@ class AIOKafkaBroker:
         async with self._operation("nack"):
             r = receipt_of(message, KafkaReceipt, _OWNER)
             if self._stale(r):
-                log.debug("nack of %s ignored: its partition was revoked", message.id)
+                log.debug("nack of %s ignored: its partition was revoked",
+                          escape_control(message.id))
                 return
             wire = codec.redelivery_headers(message, group=r.group,
                                             due_at=self.now() + delay)
@@ -372,7 +374,7 @@ class AIOKafkaBroker:
             r = receipt_of(message, KafkaReceipt, _OWNER)
             if self._stale(r):
                 log.debug("dead letter of %s ignored: its partition was revoked",
-                          message.id)
+                          escape_control(message.id))
                 return
             await self._produce(self.dead_letter_topic(message.topic),
                                 codec.dead_letter_body(record), message.key,
@@ -506,7 +508,7 @@ class AIOKafkaBroker:
             letter, unreadable = malformed_letter(view, verdict.topic, group,
                                                   verdict.problem, now)
             log.warning("%s: %s %s dead-lettered: %s", group, verdict.topic, view.position,
-                        verdict.problem)
+                        escape_control(verdict.problem))
             await self._produce(self.dead_letter_topic(verdict.topic), view.value,
                                 letter.message.key, codec.dead_letter_headers(letter),
                                 extra=unreadable)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
@@ -432,7 +433,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
 
     async def _dead_letter_malformed(self, r: _Receipt, topic: str, error: Exception) -> None:
         log.warning("%s: a delivery of %s is malformed (%s); dead-lettering it",
-                    self.name, r.queue, describe(error))
+                    self.name, r.queue, escape_control(describe(error)))
         try:
             headers = codec.split_transport(r.incoming.headers or {}).headers
         except Exception:

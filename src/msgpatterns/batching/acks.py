@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from msgpatterns._escape import escape_control
 from msgpatterns.message import Message
 
 __all__ = ["settle_messages"]
@@ -28,5 +29,5 @@ def settle_messages(items: Iterable[object], error: BaseException | None) -> int
             if item.ack(error):
                 settled += 1
         except BaseException:  # one failed ack must not strand the others
-            log.exception("acking message %s after its batch failed", item.id)
+            log.exception("acking message %s after its batch failed", escape_control(item.id))
     return settled

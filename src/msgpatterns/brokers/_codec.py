@@ -106,7 +106,7 @@ def loads_headers(raw: str | bytes | None) -> dict[str, str]:
         return {}
     try:
         data = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to decode
         return {}
     if not isinstance(data, dict):
         return {}
@@ -126,7 +126,7 @@ def parse_headers(raw: str | bytes | None) -> dict[str, str]:
         return {}
     try:
         data = json.loads(raw)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: too deep
         raise ValueError(f"the headers field is not UTF-8 JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"the headers field is JSON {type(data).__name__}, not an object")

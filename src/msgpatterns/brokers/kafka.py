@@ -54,6 +54,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._callables import renamed_arguments
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._adapter import BrokerAdapter
@@ -385,7 +386,8 @@ class KafkaBroker(BrokerAdapter):
         with self._life.operation("nack"):
             r = receipt_of(message, _Receipt, _OWNER)
             if self._stale(r):
-                log.debug("nack of %s ignored: its partition was revoked", message.id)
+                log.debug("nack of %s ignored: its partition was revoked",
+                          escape_control(message.id))
                 return
             wire = codec.redelivery_headers(message, group=r.group,
                                             due_at=self.now() + delay)
@@ -399,7 +401,7 @@ class KafkaBroker(BrokerAdapter):
             r = receipt_of(message, _Receipt, _OWNER)
             if self._stale(r):
                 log.debug("dead letter of %s ignored: its partition was revoked",
-                          message.id)
+                          escape_control(message.id))
                 return
             self._produce(self.dead_letter_topic(message.topic),
                           codec.dead_letter_body(record), message.key,
@@ -589,7 +591,8 @@ class KafkaBroker(BrokerAdapter):
         """Dead-letter a record the adapter cannot hand out faithfully (raw value and
         header bytes kept, the reason in the record); settled once confirmed."""
         letter, unreadable = malformed_letter(record, topic, group, problem, now)
-        log.warning("%s: %s %s dead-lettered: %s", group, topic, record.position, problem)
+        log.warning("%s: %s %s dead-lettered: %s", group, topic, record.position,
+                    escape_control(problem))
         self._produce(self.dead_letter_topic(topic), record.value,
                       letter.message.key, codec.dead_letter_headers(letter),
                       extra=unreadable)

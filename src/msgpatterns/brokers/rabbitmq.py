@@ -74,10 +74,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from msgpatterns import headers as h
 from msgpatterns._callables import renamed_arguments
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._ack_window import AckWindow
 from msgpatterns.brokers._adapter import BrokerAdapter
+from msgpatterns.brokers._amqp_tls import pika_url
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._reconnect import (
     RECONNECT_BACKOFF,
@@ -287,7 +289,9 @@ def url_parameters(url: Any, connect_timeout: float | None = None) -> Any:
                 f"expected an amqp:// URL or pika.ConnectionParameters, got {url!r}")
         return url
     try:
-        params = pika.URLParameters(url)
+        params = pika.URLParameters(pika_url(url))  # cafile= etc. as with aio-pika
+    except ConfigurationError:
+        raise
     except Exception as exc:
         raise ConfigurationError(f"not a usable AMQP URL: {describe(exc)}") from exc
     if connect_timeout is not None:
@@ -1027,7 +1031,7 @@ class RabbitMQBroker(BrokerAdapter):
             message = self._message(topic, method, properties, body)
         except Exception as exc:
             log.warning("%s: delivery %d of %s is malformed (%s); dead-lettering it",
-                        self.name, method.delivery_tag, queue, describe(exc))
+                        self.name, method.delivery_tag, queue, escape_control(describe(exc)))
             self._enqueue(partial(self._dead_letter_malformed, r=receipt, topic=topic,
                                   properties=properties, body=body, error=exc), None)
             return

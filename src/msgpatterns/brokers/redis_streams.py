@@ -84,6 +84,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from msgpatterns._callables import renamed_arguments
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._adapter import BrokerAdapter
@@ -1186,7 +1187,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         message.receipt = receipt
         reason = (f"undecodable Redis stream entry {receipt.entry_id} of {receipt.stream}:"
                   f" {problem}; the body holds its raw fields as JSON [name, value] pairs")
-        log.error("%s: %s", self.consumer, reason)
+        log.error("%s: %s", self.consumer, escape_control(reason))
         self._bury(message, DeadLetter.from_error(
             message, MalformedMessage(reason), now=time.time(), reason=reason,
             group=receipt.group))

@@ -12,7 +12,12 @@ What a user sees when something goes wrong (the contract):
   driver), 1 for a runtime failure (an unreachable server, a refused login);
 * every server the command talks to is given up on after :data:`CONNECT_TIMEOUT`
   seconds, and a refused login is never retried;
-* credentials are redacted from every URL the command prints.
+* credentials are redacted from every URL the command prints;
+* text that comes from messages or servers (a dead letter's reason, key, id, body and
+  traceback, an error's text) is printed with its control characters escaped
+  (``msgpatterns._escape.escape_control``): a hostile producer cannot move the cursor,
+  clear the screen, fake a line, set the window title or write the clipboard. ``--json``
+  output is JSON with ASCII escapes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from msgpatterns._escape import escape_control
 from msgpatterns.cli import dedup, demo, dlq
 from msgpatterns.cli._explain import explain, target_of
 from msgpatterns.cli._options import (
@@ -114,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         code, line = explain(exc, target_of(args))
-        print(f"msgpatterns: {line}", file=sys.stderr)
+        # an error's text may quote a server's reply or a message: escaped, one line
+        print(f"msgpatterns: {escape_control(line)}", file=sys.stderr)
         return code
 
 

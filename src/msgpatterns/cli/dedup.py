@@ -13,6 +13,7 @@ import re
 import sys
 from collections.abc import Iterable, Iterator
 
+from msgpatterns._escape import escape_control
 from msgpatterns.cli._options import Subcommands, non_empty, positive_int, sql_engine
 
 __all__ = ["parse_age", "register"]
@@ -75,12 +76,13 @@ def run_purge(args: argparse.Namespace) -> int:
         checker = SqlChecker(engine, args.table)
         where = engine.url.render_as_string(hide_password=True)
         if not sa.inspect(engine).has_table(args.table):
-            print(f"no table {args.table!r} at {where}", file=sys.stderr)
+            print(f"no table {args.table!r} at {escape_control(where)}", file=sys.stderr)
             return 1
         total = checker.count_expired(args.older_than)
         batches = checker.purge_batches(args.older_than, chunk=args.chunk)
         deleted = sum(_with_progress(batches, total, args.table, not args.no_progress))
-        print(f"purged {deleted} expired record(s) from {args.table} at {where}")
+        print(f"purged {deleted} expired record(s) from {escape_control(args.table)} "
+              f"at {escape_control(where)}")
         return 0
     finally:
         engine.dispose()

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from msgpatterns._escape import escape_control
 from msgpatterns.brokers.admin import DeadLetterAdmin
 from msgpatterns.cli._options import (
     CONNECT_TIMEOUT,
@@ -126,11 +127,10 @@ def _rabbitmq(url: str) -> Opened:
     connection, one attempt per connect (the URL's own ``connection_attempts=...``
     etc. win). The admin needs no adapter (no I/O thread): it works on short-lived
     connections of its own."""
-    import pika
-
     from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
+    from msgpatterns.brokers.rabbitmq import url_parameters
 
-    params = pika.URLParameters(url)
+    params = url_parameters(url)  # cafile=... spelled as for both drivers
     given = _query(url)
     for option, value in (("connection_attempts", 1), ("socket_timeout", CONNECT_TIMEOUT),
                           ("stack_timeout", CONNECT_TIMEOUT),
@@ -261,7 +261,8 @@ def _warn_if_unknown(opened: Opened, args: argparse.Namespace) -> None:
         return
     of_group = f" for group {args.group!r}" if args.group else ""
     print(f"msgpatterns dlq: warning: no topic {args.topic!r}{of_group} and no "
-          f"dead-letter store for it at {redact_url(args.url)}: check --topic and --group",
+          f"dead-letter store for it at {_text(redact_url(args.url))}: check --topic and "
+          "--group",
           file=sys.stderr)
 
 
@@ -269,9 +270,20 @@ def _when(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
 
 
+# Everything a dead letter carries came from its producer (or from a handler's error
+# about it): each field passes through escape_control before it reaches the terminal.
+# --json output is JSON with ASCII escapes, safe as it is.
+
+
+def _text(value: object) -> str:
+    """``value`` as one line safe to print: control characters escaped."""
+    return escape_control(str(value))
+
+
 def _summary(record: DeadLetter) -> str:
-    return (f"{record.id}  attempts={record.attempts}  last_failed={_when(record.last_failed_at)}"
-            f"  group={record.group or '-'}  {record.error_type}: {record.reason}")
+    return (f"{_text(record.id)}  attempts={record.attempts}  "
+            f"last_failed={_when(record.last_failed_at)}  group={_text(record.group or '-')}  "
+            f"{_text(record.error_type)}: {_text(record.reason)}")
 
 
 def _body_text(body: Any) -> str:
@@ -280,25 +292,32 @@ def _body_text(body: Any) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return repr(raw[:2000])
-    return text if len(text) <= 2000 else text[:2000] + "..."
+    return _text(text if len(text) <= 2000 else text[:2000] + "...")
+
+
+def _traceback_lines(text: str) -> list[str]:
+    """The traceback's lines, indented (so none can pass for the command's own output),
+    each with its control characters escaped."""
+    lines = escape_control(text or "-", keep_newlines=True).rstrip().split("\n")
+    return ["  " + line for line in lines]
 
 
 def _details(record: DeadLetter) -> str:
     m = record.message
     lines = [
-        f"id:            {record.id}",
-        f"topic:         {m.topic}",
-        f"group:         {record.group or '-'}",
-        f"key:           {m.key}",
+        f"id:            {_text(record.id)}",
+        f"topic:         {_text(m.topic)}",
+        f"group:         {_text(record.group or '-')}",
+        f"key:           {_text(m.key)}",
         f"attempts:      {record.attempts}",
         f"first failed:  {_when(record.first_failed_at)}",
         f"last failed:   {_when(record.last_failed_at)}",
-        f"error:         {record.error_type}: {record.error_message}",
-        f"reason:        {record.reason}",
+        f"error:         {_text(record.error_type)}: {_text(record.error_message)}",
+        f"reason:        {_text(record.reason)}",
         f"headers:       {json.dumps(m.headers, sort_keys=True)}",
         f"body:          {_body_text(m.raw_body)}",
         "traceback:",
-        *("  " + line for line in (record.traceback or "-").rstrip().splitlines()),
+        *_traceback_lines(record.traceback),
     ]
     return "\n".join(lines)
 
@@ -326,7 +345,7 @@ def _show(args: argparse.Namespace) -> int:
             print(record.to_json() if args.json else _details(record) + "\n")
         missing = wanted - {r.id for r in found}
         if missing:
-            print(f"msgpatterns dlq: not found: {', '.join(sorted(missing))}",
+            print(f"msgpatterns dlq: not found: {_text(', '.join(sorted(missing)))}",
                   file=sys.stderr)
             if not found:
                 _warn_if_unknown(opened, args)

@@ -36,7 +36,11 @@ from msgpatterns.idempotency.keys import KeyBuilder
 from msgpatterns.idempotency.memory import MemoryChecker
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import Claim, IdempotencyStats, Status
-from msgpatterns.idempotency.results import ResultNotSerialisable, ResultNotStored
+from msgpatterns.idempotency.results import (
+    ResultIntegrityError,
+    ResultNotSerialisable,
+    ResultNotStored,
+)
 from msgpatterns.idempotency.spec import CheckerSpec, checker_from_spec, checker_from_url
 
 if TYPE_CHECKING:
@@ -66,6 +70,7 @@ __all__ = [
     "MemoryChecker",
     "MissingIdempotencyKey",
     "RedisChecker",
+    "ResultIntegrityError",
     "ResultNotSerialisable",
     "ResultNotStored",
     "SqlChecker",

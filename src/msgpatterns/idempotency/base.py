@@ -61,6 +61,7 @@ from msgpatterns.idempotency.policy import StorePolicy, acall_with_retries, call
 from msgpatterns.idempotency.records import Claim, IdempotencyStats
 from msgpatterns.idempotency.results import (
     DEFAULT_MAX_RESULT_BYTES,
+    SignsResults,
     check_max_result_bytes,
 )
 from msgpatterns.idempotency.write_behind import AsyncWriteBehind, WriteBehind
@@ -218,21 +219,24 @@ class AsyncOptions(TypedDict, total=False):
     max_key_bytes: int
 
 
-def _options(fail_open: bool, store_result: bool, max_result_bytes: int) -> Options:
+def _options(fail_open: bool, store_result: bool, max_result_bytes: int,
+             result_key: bytes | None = None) -> Options:
     if store_result:
         check_max_result_bytes(max_result_bytes)
-    return Options(fail_open, store_result, max_result_bytes)
+    return Options(fail_open, store_result, max_result_bytes, result_key)
 
 
 def attach_results(claims: Sequence[Claim], results: Sequence[object] | None,
-                   stats: IdempotencyStats, max_bytes: int) -> Sequence[Claim]:
-    """``claims`` carrying one result each (``results``), or as they are (None)."""
+                   stats: IdempotencyStats, max_bytes: int,
+                   result_key: bytes | None = None) -> Sequence[Claim]:
+    """``claims`` carrying one result each (``results``, signed with ``result_key``
+    when given), or as they are (None)."""
     if results is None:
         return claims
     check_max_result_bytes(max_bytes)
     if len(results) != len(claims):
         raise ValueError("one result per claim is needed")
-    return [with_result(claim, value, stats, max_bytes)
+    return [with_result(claim, value, stats, max_bytes, result_key)
             for claim, value in zip(claims, results, strict=True)]
 
 
@@ -270,7 +274,7 @@ def _no_handler(tx: Any) -> Any:
     raise AssertionError("these steps run no handler")
 
 
-class _LeaseBase(Closable):
+class _LeaseBase(Closable, SignsResults):
     """What every lease checker holds: keys, ttl and lease, the store policy, counters,
     and the guard's view of them (:class:`~msgpatterns.idempotency.guard.LeaseRules`)."""
 
@@ -393,7 +397,8 @@ class LeaseChecker(_LeaseBase):
         """:meth:`complete` for many claims in one round trip; ``results``: one per
         claim, stored with it."""
         self._check_open()
-        claims = attach_results(claims, results, self.stats, max_result_bytes)
+        claims = attach_results(claims, results, self.stats, max_result_bytes,
+                                self.result_key)
         return self._drive(complete_steps(self.rules, claims))
 
     def release(self, claim: Claim) -> bool:
@@ -424,7 +429,8 @@ class LeaseChecker(_LeaseBase):
         """
         self._check_open()
         steps = lease_steps(self.rules, self.keys.build(key, group), fingerprint,
-                            _options(fail_open, store_result, max_result_bytes))
+                            _options(fail_open, store_result, max_result_bytes,
+                                     self.result_key))
         return drive(steps, self._perform, call)
 
     def purge(self, older_than: float | timedelta | None = None) -> int:  # pragma: no cover
@@ -509,6 +515,7 @@ class AsyncDriver:
     stats: IdempotencyStats
     keys: KeyBuilder
     write_behind: float | None
+    result_key: bytes | None
     _abehind: AsyncWriteBehind | None = None
 
     if TYPE_CHECKING:  # provided by the checker it is mixed into
@@ -542,7 +549,8 @@ class AsyncDriver:
         raises."""
         self._check_open()
         steps = lease_steps(self.rules, self.keys.build(key, group), fingerprint,
-                            _options(fail_open, store_result, max_result_bytes))
+                            _options(fail_open, store_result, max_result_bytes,
+                                     self.result_key))
         return await adrive(steps, self._aperform, call)
 
     async def aflush(self) -> None:

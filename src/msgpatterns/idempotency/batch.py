@@ -108,6 +108,11 @@ class BatchGuard:
         self._max_result_bytes = max_result_bytes
         self._lock = threading.Lock()
 
+    @property
+    def _result_key(self) -> bytes | None:
+        """The checker's ``result_key`` now (it may be set after decorating)."""
+        return getattr(self.checker, "result_key", None)
+
     def prepare(self, messages: Sequence[Message]) -> list[Entry]:
         """One entry per message, in order, after ONE claim round trip for all of them
         (none when every key was found locally or could not be computed). Never raises
@@ -171,7 +176,7 @@ class BatchGuard:
                 entry.later = True  # held by this batch: decided once it is finished
                 continue
             try:  # rules 4 and 5 (and the fingerprint check), as one message has them
-                skip_or_raise(claim, self.store_result)
+                skip_or_raise(claim, self.store_result, self._result_key)
                 if self._on_duplicate is not None:
                     self._on_duplicate(entry.message)
             except Exception as exc:
@@ -220,7 +225,7 @@ class BatchGuard:
         if done and self.store_result:
             results = {id(entry.claim): entry.result for entry in returned}
             done = [with_result(claim, results.get(id(claim)), self.checker.stats,
-                                self._max_result_bytes) for claim in done]
+                                self._max_result_bytes, self._result_key) for claim in done]
         return done, failed
 
     def __repr__(self) -> str:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from msgpatterns._escape import escape_control
 from msgpatterns.errors import (
     IdempotencyConflict,
     InProgress,
@@ -104,6 +105,8 @@ class Options(NamedTuple):
     fail_open: bool = False
     store_result: bool = False
     max_result_bytes: int = 0
+    #: The checker's ``result_key``: stored results are signed and checked with it.
+    result_key: bytes | None = None
 
 
 # -- steps --------------------------------------------------------------------------------
@@ -236,13 +239,16 @@ def classify(key: str, record: Record, token: str, fingerprint: str | None) -> C
     return Claim(key, Status.IN_PROGRESS, remaining=max(record.remaining, 0.0))
 
 
-def skip_or_raise(claim: Claim, store_result: bool = False) -> Executed[Any]:
+def skip_or_raise(claim: Claim, store_result: bool = False,
+                  result_key: bytes | None = None) -> Executed[Any]:
     """Rules 4 and 5 (and the fingerprint check) for a claim that was not won. With
     ``store_result`` a DONE key's stored result is the outcome's ``result``
-    (:class:`~msgpatterns.idempotency.results.ResultNotStored` when it has none)."""
+    (:class:`~msgpatterns.idempotency.results.ResultNotStored` when it has none,
+    ``ResultIntegrityError`` when it fails the ``result_key`` check)."""
     if claim.status is Status.DONE:
-        log.debug("duplicate skipped: %s is done", claim.key)
-        return Executed(False, claim.stored_result() if store_result else None, claim)
+        log.debug("duplicate skipped: %s is done", escape_control(claim.key))
+        return Executed(False, claim.stored_result(result_key) if store_result else None,
+                        claim)
     if claim.status is Status.IN_PROGRESS:
         raise InProgress(
             delay=claim.remaining, reason=f"idempotency key {claim.key!r} is being processed"
@@ -262,15 +268,18 @@ def refuse_unavailable(stats: IdempotencyStats, key: str, error: StoreUnavailabl
         refusal.__cause__ = error
         return refusal
     stats.add("processed_without_dedup")
-    log.warning("idempotency store unavailable, processing %s WITHOUT dedup: %s", key, error)
+    log.warning("idempotency store unavailable, processing %s WITHOUT dedup: %s",
+                escape_control(key), escape_control(error))
     return None
 
 
-def with_result(claim: Claim, value: object, stats: IdempotencyStats, max_bytes: int) -> Claim:
-    """``claim`` carrying ``value``'s stored text, for its completion. A value that
-    cannot be stored (too large, not JSON) gives a text saying why: the key is still
-    completed (the effect happened), the failure is logged and counted."""
-    stored = encode_result(value, max_bytes, claim.key)
+def with_result(claim: Claim, value: object, stats: IdempotencyStats, max_bytes: int,
+                result_key: bytes | None = None) -> Claim:
+    """``claim`` carrying ``value``'s stored text (signed with ``result_key`` when
+    given), for its completion. A value that cannot be stored (too large, not JSON)
+    gives a text saying why: the key is still completed (the effect happened), the
+    failure is logged and counted."""
+    stored = encode_result(value, max_bytes, claim.key, result_key)
     if is_not_stored(stored):
         stats.add("results_not_stored")
     return claim._replace(result=stored)
@@ -298,7 +307,7 @@ def log_lost(claims: Sequence[Claim], done: Sequence[bool], stats: IdempotencySt
         log.warning(
             "lease on %s expired before completion and another owner took it; its "
             "effect may be applied twice (raise the lease above the handler's longest "
-            "run)", claim.key,
+            "run)", escape_control(claim.key),
         )
 
 
@@ -420,20 +429,22 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
         return Executed(True, (yield Run(None)), None)
     token = claim.token
     if token is None:
-        return skip_or_raise(claim, options.store_result)
+        return skip_or_raise(claim, options.store_result, options.result_key)
     try:
         result = yield Run(None)
     except BaseException:
         try:
             released = yield from release_steps(rules, [claim])
             if not released[0]:
-                log.debug("release of %s: the lease was no longer ours", claim.key)
+                log.debug("release of %s: the lease was no longer ours",
+                          escape_control(claim.key))
         except StoreUnavailable as exc:
             log.warning("could not release %s (%s); it frees itself when its lease "
-                        "expires", claim.key, exc)
+                        "expires", escape_control(claim.key), escape_control(exc))
         raise
     if options.store_result:
-        claim = with_result(claim, result, rules.stats, options.max_result_bytes)
+        claim = with_result(claim, result, rules.stats, options.max_result_bytes,
+                            options.result_key)
     if rules.pending is not None and (yield Io("queue", claim, retried=False)):
         return Executed(True, result, claim)
     try:
@@ -443,7 +454,8 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
     except StoreUnavailable as exc:
         log.error(
             "effect for %s applied but not recorded as done (%s); the lease will "
-            "expire and a duplicate delivered after that applies it again", store_key, exc,
+            "expire and a duplicate delivered after that applies it again",
+            escape_control(store_key), escape_control(exc),
         )
     return Executed(True, result, claim)
 
@@ -473,7 +485,7 @@ def transactional_steps(stats: IdempotencyStats, store_key: str, fingerprint: st
         claim = classify(store_key, records[0], request.token, fingerprint)
         count_claims(stats, (claim,))
         if claim.token is None:
-            return skip_or_raise(claim, options.store_result)
+            return skip_or_raise(claim, options.store_result, options.result_key)
         try:
             result = yield Run(tx)
         except BaseException:
@@ -487,7 +499,8 @@ def transactional_steps(stats: IdempotencyStats, store_key: str, fingerprint: st
                 "nothing was committed and the message will be retried; wrap statements "
                 "whose errors the handler handles in tx.begin_nested() (a savepoint)")
         if options.store_result:
-            claim = with_result(claim, result, stats, options.max_result_bytes)
+            claim = with_result(claim, result, stats, options.max_result_bytes,
+                                options.result_key)
             yield Io("store_results", (tx, owned_requests([claim])), retried=False, trip="")
         try:
             yield Io("commit", tx, retried=False)

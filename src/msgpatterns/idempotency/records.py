@@ -62,15 +62,17 @@ class Claim(NamedTuple):
         """True when the caller owns the key."""
         return self.status is Status.CLAIMED
 
-    def stored_result(self) -> Any:
+    def stored_result(self, result_key: bytes | None = None) -> Any:
         """The result stored with this DONE key (``store_result``), decoded from JSON.
 
         Raises :class:`~msgpatterns.idempotency.results.ResultNotStored` when the
-        record holds none (too large, not serialisable, or completed without it).
+        record holds none (too large, not serialisable, or completed without it), and
+        :class:`~msgpatterns.idempotency.results.ResultIntegrityError` when
+        ``result_key`` (the checker's) is given and the result is not signed with it.
         """
         from msgpatterns.idempotency.results import decode_result
 
-        return decode_result(self.result, self.key)
+        return decode_result(self.result, self.key, result_key)
 
 
 class Record(NamedTuple):

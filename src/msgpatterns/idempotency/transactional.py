@@ -48,7 +48,7 @@ from msgpatterns.idempotency.guard import (
 from msgpatterns.idempotency.keys import KeyBuilder
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.idempotency.records import DONE, Claim, IdempotencyStats, Record
-from msgpatterns.idempotency.results import DEFAULT_MAX_RESULT_BYTES
+from msgpatterns.idempotency.results import DEFAULT_MAX_RESULT_BYTES, SignsResults
 from msgpatterns.idempotency.spec import CheckerSpec, policy_options
 from msgpatterns.idempotency.sql import SqlMaintenance, SqlStore
 from msgpatterns.idempotency.store import AsyncAdapter
@@ -147,7 +147,7 @@ class SqlTxStore(SqlStore):
             conn.invalidate()
 
 
-class _TransactionalBase(Closable):
+class _TransactionalBase(Closable, SignsResults):
     """What both transactional checkers hold."""
 
     #: The decorated handler receives the open transaction as ``tx``.
@@ -175,7 +175,7 @@ class _TransactionalBase(Closable):
     def _steps(self, key: object, group: str, fingerprint: str | None, fail_open: bool,
                store_result: bool, max_result_bytes: int) -> Any:
         self._check_open()
-        options = _options(fail_open, store_result, max_result_bytes)
+        options = _options(fail_open, store_result, max_result_bytes, self.result_key)
         if fail_open:
             raise ConfigurationError(
                 "fail_open makes no sense with TransactionalSqlChecker: the dedup row "
@@ -283,7 +283,8 @@ class TransactionalSqlChecker(SqlMaintenance, _TransactionalBase):
         self._check_open()
         if results is None:
             return [True] * len(claims)
-        owned = owned_requests(attach_results(claims, results, self.stats, max_result_bytes))
+        owned = owned_requests(attach_results(claims, results, self.stats, max_result_bytes,
+                                              self.result_key))
         if tx is None:
             raise ConfigurationError(
                 "results are written inside the claims' transaction: pass tx=<Connection>")

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from msgpatterns._callables import require_sync_callable
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.errors import ConfigurationError
@@ -142,8 +143,8 @@ def idempotent_task(
                 raise self.retry(exc=decision.error, countdown=decision.delay,
                                  max_retries=rules.max_attempts - 1)
             assert isinstance(decision, DeadLetterIt)
-            log.warning("task %s[%s] dead-lettered: %s", self.name, message.id,
-                        decision.reason)
+            log.warning("task %s[%s] dead-lettered: %s", self.name,
+                        escape_control(message.id), escape_control(decision.reason))
             if dead_letters is not None:
                 dead_letters.put(decision.record)
             assert error is not None

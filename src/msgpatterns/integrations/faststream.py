@@ -60,6 +60,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Protocol
 
+from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.deadletter import DeadLetter, DeadLetterStore
@@ -252,15 +253,16 @@ class _SettlingMiddleware(BaseMiddleware):
         try:
             if isinstance(decision, RetryLater):
                 log.info("message %r attempt %d failed (%s); redelivering in %.3fs",
-                         message.id, message.attempt, describe(decision.error),
+                         message.id, message.attempt, escape_control(describe(decision.error)),
                          decision.delay)
                 await route.retry(msg, message, decision)
             else:
-                log.warning("message %r dead-lettered: %s", message.id, decision.reason)
+                log.warning("message %r dead-lettered: %s", message.id,
+                            escape_control(decision.reason))
                 await self._dead_letter(route, decision.record)
         except Exception as exc:
             log.error("message %r: publishing its %s failed (%s); handing it back",
-                      message.id, type(decision).__name__, describe(exc))
+                      message.id, type(decision).__name__, escape_control(describe(exc)))
             raise NackMessage() from exc
         return None
 

@@ -8,18 +8,26 @@ Both carry the health snapshots as JSON. Anything else is 404.
 
 The server runs the standard library's ``ThreadingHTTPServer`` on one daemon thread,
 binds ``127.0.0.1`` unless told otherwise, and is stopped by :meth:`HealthServer.close`
-(or leaving its ``with`` block); ``close()`` is idempotent.
+(or leaving its ``with`` block); ``close()`` is idempotent. It is bounded for clients
+that misbehave (:mod:`msgpatterns.observability.endpoint`): a connection silent for
+``read_timeout`` seconds is closed, at most ``max_connections`` are served at once (more
+get 503), and a client that hangs up before its reply is no traceback.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from msgpatterns.errors import ConfigurationError
+from msgpatterns.observability.endpoint import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT,
+    BoundedHTTPServer,
+)
 from msgpatterns.observability.stats import Health
 
 if TYPE_CHECKING:
@@ -30,9 +38,14 @@ __all__ = ["Health", "HealthServer"]
 
 class HealthServer:
     """Serves ``/livez`` and ``/readyz`` for ``consumers`` on ``host:port`` (port 0: a
-    free port, see :attr:`port`) from a daemon thread, until :meth:`close`."""
+    free port, see :attr:`port`) from a daemon thread, until :meth:`close`.
 
-    def __init__(self, *consumers: Consumer, host: str = "127.0.0.1", port: int = 0) -> None:
+    ``read_timeout``: seconds a connection may stay silent before it is closed;
+    ``max_connections``: connections served at once (more are answered 503)."""
+
+    def __init__(self, *consumers: Consumer, host: str = "127.0.0.1", port: int = 0,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         from msgpatterns.consumer import Consumer
 
         if not consumers or not all(isinstance(c, Consumer) for c in consumers):
@@ -40,8 +53,9 @@ class HealthServer:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigurationError(f"HealthServer port must be an int in 0..65535, got {port!r}")
         self.consumers = consumers
-        self._server = ThreadingHTTPServer((host, port), _handler_for(consumers))
-        self._server.daemon_threads = True
+        self._server = BoundedHTTPServer((host, port), _handler_for(consumers),
+                                         read_timeout=read_timeout,
+                                         max_connections=max_connections)
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="msgpatterns-health", daemon=True
         )

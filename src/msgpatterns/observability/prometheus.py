@@ -10,7 +10,10 @@
 
 It is the documented setup spelled out: an OpenTelemetry SDK ``MeterProvider`` whose
 reader is the OpenTelemetry Prometheus exporter (``PrometheusMetricReader``) on its own
-``prometheus_client`` registry, served by ``prometheus_client.start_http_server``, and
+``prometheus_client`` registry, served by ``prometheus_client``'s ``MetricsHandler`` (the
+handler of its ``start_http_server``) on the bounded server of
+:mod:`msgpatterns.observability.endpoint` (a read timeout, at most ``max_connections``
+at once, no traceback for a client that hangs up), and
 :func:`~msgpatterns.observability.instrument` with that provider. Needs
 ``opentelemetry-sdk``, ``opentelemetry-exporter-prometheus`` and ``prometheus-client``.
 Names follow the exporter's translation: ``msgpatterns.consumer.deliveries`` becomes
@@ -19,12 +22,19 @@ Names follow the exporter's translation: ``msgpatterns.consumer.deliveries`` bec
 
 from __future__ import annotations
 
+import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.observability import stats as _stats
+from msgpatterns.observability.endpoint import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT,
+    BoundedHTTPServer,
+    check_bounds,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
@@ -76,13 +86,18 @@ class PrometheusEndpoint:
 
 
 def serve_prometheus(port: int = 9464, host: str = "127.0.0.1", *,
-                     tracer_provider: TracerProvider | None = None) -> PrometheusEndpoint:
+                     tracer_provider: TracerProvider | None = None,
+                     read_timeout: float = DEFAULT_READ_TIMEOUT,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> PrometheusEndpoint:
     """Instrument the process and serve its metrics at ``http://host:port/metrics``
     (port 0: a free port, see ``endpoint.port``). ``tracer_provider``: where spans go
-    (None: the global one)."""
+    (None: the global one). ``read_timeout``: seconds a connection may stay silent
+    before it is closed; ``max_connections``: connections served at once (more are
+    answered 503)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigurationError(f"serve_prometheus port must be an int in 0..65535, "
                                  f"got {port!r}")
+    check_bounds("serve_prometheus", read_timeout, max_connections)
     prometheus_client = require("prometheus_client", "otel")
     exporter = require("opentelemetry.exporter.prometheus", "otel")
     sdk_metrics = require("opentelemetry.sdk.metrics", "otel")
@@ -91,6 +106,11 @@ def serve_prometheus(port: int = 9464, host: str = "127.0.0.1", *,
     registry = prometheus_client.CollectorRegistry()
     reader = exporter.PrometheusMetricReader(registry=registry)
     provider = sdk_metrics.MeterProvider(metric_readers=[reader])
-    server, thread = prometheus_client.start_http_server(port, host, registry=registry)
+    handler = prometheus_client.MetricsHandler.factory(registry)
+    server = BoundedHTTPServer((host, port), handler, read_timeout=read_timeout,
+                               max_connections=max_connections)
+    thread = threading.Thread(target=server.serve_forever, name="msgpatterns-prometheus",
+                              daemon=True)
+    thread.start()
     listener = instrument(meter_provider=provider, tracer_provider=tracer_provider)
     return PrometheusEndpoint(server, thread, provider, listener)

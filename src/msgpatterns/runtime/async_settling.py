@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
+from msgpatterns._escape import escape_control
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
 from msgpatterns.idempotency.batch import BatchGuard, Entry
@@ -98,7 +99,7 @@ class AsyncSettling:
             loop.call_soon_threadsafe(then, *args)
         except RuntimeError:  # the loop is closed: the stop handed it back already
             self.log.warning("%s: late settlement of %s after the loop closed",
-                             self.settler.name, getattr(args[-2], "id", None))
+                             self.settler.name, escape_control(getattr(args[-2], "id", None)))
 
     def finish(self, message: Message,
                error: BaseException | None) -> tuple[BaseException | None] | None:
@@ -192,7 +193,7 @@ class AsyncSettling:
                     await guard.afinish((), (entry,))
             except Exception:
                 self.log.exception("%s: finishing the idempotency claim of %s failed",
-                                   self.settler.name, message.id,
+                                   self.settler.name, escape_control(message.id),
                                    extra=self.settler.extra(message))
         await self.settle(message, error)
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from msgpatterns._escape import escape_control
 from msgpatterns.brokers.base import SupportsVirtualTime
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.errors import AckTimeout, ConfigurationError
@@ -114,4 +115,5 @@ def ack_deadline_passed(message: Message, ack_timeout: float, handler_name: str,
     if message.delivery.expire(message, error):
         stats.ack_timeouts += 1
         count({"ack_timeouts": 1}, message)
-        log.warning("%s; failing the delivery", error, extra=settler.extra(message))
+        log.warning("%s; failing the delivery", escape_control(error),
+                    extra=settler.extra(message))

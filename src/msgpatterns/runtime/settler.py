@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from msgpatterns import headers as h
+from msgpatterns._escape import escape_control
 from msgpatterns.deadletter import DeadLetter, DeadLetterStore, format_traceback
 from msgpatterns.delivery import Delivery, SettleCallback
 from msgpatterns.errors import NeedRetry, describe, printable
@@ -171,8 +172,8 @@ class Settler:
                                                reason=verdict.reason, group=self.group)
                 self.log.error(
                     "%s: message %s (key %r, topic %r) dead-lettered after %d attempt(s): %s",
-                    self.name, message.id, message.key, message.topic, message.attempt,
-                    verdict.reason, extra=self.extra(message),
+                    self.name, escape_control(message.id), message.key, message.topic,
+                    message.attempt, escape_control(verdict.reason), extra=self.extra(message),
                 )
                 yield from self._put_dead_letter(message, record)
                 counted.append("dead_lettered")
@@ -204,7 +205,7 @@ class Settler:
             except Exception:
                 errors += 1
                 self.log.exception("%s: handing message %s back failed", self.name,
-                                   message.id, extra=self.extra(message))
+                                   escape_control(message.id), extra=self.extra(message))
         return errors
 
     def decide(self, message: Message, error: BaseException | None) -> Verdict:
@@ -215,7 +216,7 @@ class Settler:
             return self.policy.decide(message, error)
         except Exception:
             self.log.exception("%s: the retry policy failed on message %s", self.name,
-                               message.id, extra=self.extra(message))
+                               escape_control(message.id), extra=self.extra(message))
         if error is None:
             return Verdict(Action.ACK)
         kind = type(error).__name__
@@ -241,7 +242,8 @@ class Settler:
         count then moves on towards ``max_attempts``). Returns the stat to count, or
         None when the broker refused every way (it redelivers at its own timeout)."""
         self.log.error("%s: settling message %s failed (%s); settling it another way",
-                       self.name, message.id, describe(failure), extra=self.extra(message))
+                       self.name, escape_control(message.id), escape_control(describe(failure)),
+                       extra=self.extra(message))
         if action is Action.DEAD_LETTER or (
                 action is None and message.attempt >= self.policy.max_attempts):
             try:
@@ -250,14 +252,14 @@ class Settler:
                 return "dead_lettered"
             except Exception:
                 self.log.exception("%s: fallback dead letter of %s failed", self.name,
-                                   message.id, extra=self.extra(message))
+                                   escape_control(message.id), extra=self.extra(message))
         try:
             yield NackOp(message, 0.0)
             return "redelivered"
         except Exception:
             self.log.exception(
                 "%s: message %s could not be settled; the broker redelivers it after its "
-                "own timeout", self.name, message.id, extra=self.extra(message),
+                "own timeout", self.name, escape_control(message.id), extra=self.extra(message),
             )
             return None
 
@@ -280,13 +282,14 @@ class Settler:
     def _log_failure(self, message: Message, error: BaseException, action: Action,
                      delay: float) -> None:
         if isinstance(error, NeedRetry):
-            self.log.debug("%s: message %s asked for a retry (%s)", self.name, message.id,
-                           error, extra=self.extra(message))
+            self.log.debug("%s: message %s asked for a retry (%s)", self.name,
+                           escape_control(message.id), escape_control(describe(error)),
+                           extra=self.extra(message))
         elif action is not Action.DEAD_LETTER:
             self.log.warning(
                 "%s: handler %s failed on message %s (attempt %d): %s: %s; %s in %.3gs",
-                self.name, self.handler_name, message.id, message.attempt,
-                type(error).__name__, describe(error), action.value, delay,
+                self.name, self.handler_name, escape_control(message.id), message.attempt,
+                type(error).__name__, escape_control(describe(error)), action.value, delay,
                 extra=self.extra(message),
             )
 

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from msgpatterns._escape import escape_control
 from msgpatterns.brokers.base import SupportsAckMany
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
@@ -87,7 +88,7 @@ class ThreadSettling:
                     guard.finish((), (entry,))
             except Exception:
                 self.log.exception("%s: finishing the idempotency claim of %s failed",
-                                   self.settler.name, message.id,
+                                   self.settler.name, escape_control(message.id),
                                    extra=self.settler.extra(message))
         self.on_settled(message, error)
 

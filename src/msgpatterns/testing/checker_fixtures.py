@@ -88,10 +88,10 @@ class FakeClock:
 
 
 def _redis_client(store: str) -> Any:
-    if store == "fakeredis":
-        import fakeredis
+    if store == "fakeredis":  # a test double: in msgpatterns[testing], not [redis]
+        from msgpatterns._extras import require
 
-        return fakeredis.FakeRedis()
+        return require("fakeredis", "testing").FakeRedis()
     return services.require("redis")
 
 

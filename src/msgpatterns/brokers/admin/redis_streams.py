@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from msgpatterns._escape import escape_control
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers.admin.base import ScannedDeadLetters
 from msgpatterns.brokers.redis_streams import (
@@ -76,7 +77,8 @@ class RedisStreamsDeadLetters(ScannedDeadLetters):
             try:
                 fields = _fields(raw)
             except _Malformed as exc:
-                log.warning("dead-letter entry %s of %s skipped: %s", eid, topic, exc)
+                log.warning("dead-letter entry %s of %s skipped: %s", eid, topic,
+                            escape_control(exc))
                 continue
             out.append(codec.read_dead_letter(
                 _b(fields.get("body", b"")), codec.loads_headers(fields.get("headers")),
