@@ -1,15 +1,17 @@
 """Typed errors of the ordering helpers.
 
-All of them are :class:`~msgpatterns.errors.Reject` subclasses: retrying cannot fix
+The message errors are :class:`~msgpatterns.errors.Reject` subclasses: retrying cannot fix
 them, so the consumer sends the message straight to the dead-letter store with the
 reason, and keeps running.
 """
 
 from __future__ import annotations
 
-from msgpatterns.errors import MalformedMessage, Reject
+from msgpatterns.errors import ConfigurationError, MalformedMessage, Reject
 
-__all__ = ["InvalidVersion", "MissingVersion", "VersionConflict"]
+__all__ = [
+    "InvalidVersion", "MissingVersion", "RouteConflict", "RouteError", "VersionConflict",
+]
 
 
 class InvalidVersion(MalformedMessage):
@@ -24,3 +26,14 @@ class MissingVersion(InvalidVersion):
 class VersionConflict(Reject):
     """The stored row can never accept this transition: it moved past ``expected``
     along another path (a writer outside the message flow changed the version)."""
+
+
+class RouteError(ConfigurationError):
+    """A route change that breaks the ordered-topic rules (a partition that is not
+    open, ranges that are not adjacent, a split point outside the range, a stored
+    route that does not parse)."""
+
+
+class RouteConflict(RouteError):
+    """Another route change of the topic is in progress or won the race: one change at
+    a time, versions contiguous. Read the routes again and decide anew."""

@@ -1,0 +1,295 @@
+"""TopicFeed: the consumer side of an :class:`~msgpatterns.ordering.OrderedTopic`.
+
+A TopicFeed is a :class:`~msgpatterns.brokers.Broker` a :class:`~msgpatterns.Consumer`
+fetches from. Behind it, one consumer process:
+
+* is a member of its group (a heartbeat in the route store) and leases physical
+  partitions, at most one owner per partition, up to its fair share
+  (``ceil(partitions to consume / live members)``); a dead member's leases expire
+  after ``lease_ttl`` and its partitions are taken over;
+* consumes a partition opened by a route change only after every partition that
+  change closed has been recorded (by whichever member consumed it), so each key's
+  messages in an old partition are handled before any of its messages in a new one;
+* holds back a command message: when every message fetched from its partition has
+  been settled for good (acked or dead-lettered: a retried message comes back and
+  is waited for) and the topic's ``fence`` has passed since it was appended, it
+  records the command, acks it and hands the partition back.
+
+The handler never sees command messages. Route changes are followed one version at a
+time because each partition's successors wait for it, whatever the version history.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from msgpatterns.deadletter import DeadLetter
+from msgpatterns.errors import ConfigurationError
+from msgpatterns.message import Message
+from msgpatterns.ordering.routes import Route, closed_by, predecessors
+
+if TYPE_CHECKING:
+    from msgpatterns.ordering.topic import OrderedTopic
+
+__all__ = ["FeedStats", "TopicFeed"]
+
+log = logging.getLogger(__name__)
+
+
+class FeedStats:
+    """Counters of one TopicFeed."""
+
+    __slots__ = ("commands_recorded", "late", "leases_lost", "leases_taken")
+
+    def __init__(self) -> None:
+        self.commands_recorded = 0
+        self.leases_taken = 0
+        self.leases_lost = 0
+        #: messages fetched from a partition after its command was recorded
+        self.late = 0
+
+
+class _Held:
+    """What this feed tracks of one leased partition."""
+
+    __slots__ = ("command", "command_at", "command_message", "outstanding", "recorded_at",
+                 "retrying")
+
+    def __init__(self) -> None:
+        self.outstanding: dict[str, int] = {}  # message id -> fetched, not settled
+        self.retrying: set[str] = set()  # nacked: they come back to this partition
+        self.command: int | None = None  # the version of the command message reached
+        self.command_at = 0.0
+        self.command_message: Message | None = None
+        self.recorded_at: float | None = None
+
+
+class TopicFeed:
+    """A Broker over the physical partitions of an ordered topic this process leases."""
+
+    def __init__(self, topic: OrderedTopic, group: str, *, owner: str | None = None,
+                 lease_ttl: float = 10.0, refresh: float = 0.5) -> None:
+        if lease_ttl <= 0 or refresh <= 0 or refresh >= lease_ttl:
+            raise ConfigurationError("need 0 < refresh < lease_ttl")
+        self.topic = topic
+        self.group = group
+        self.owner = owner or uuid.uuid4().hex
+        self.lease_ttl = lease_ttl
+        self.refresh = refresh
+        self.stats = FeedStats()
+        self._inner = topic.broker
+        self._store = topic.store
+        self._lock = threading.RLock()
+        self._held: dict[int, _Held] = {}
+        self._history: list[Route] = []
+        self._recorded: frozenset[tuple[int, int]] = frozenset()
+        self._refreshed_at = float("-inf")
+        self._closed = False
+        self._wake = threading.Event()
+
+    # -- the route state ------------------------------------------------------------
+
+    def _now(self) -> float:
+        return time.time()
+
+    def _maybe_refresh(self) -> None:
+        if time.monotonic() - self._refreshed_at >= self.refresh:
+            self.rebalance()
+
+    def rebalance(self) -> None:
+        """Read the routes, renew and balance this member's leases (the feed does this
+        every ``refresh`` seconds on its own)."""
+        with self._lock:
+            now = self._now()
+            name, group = self.topic.name, self.group
+            self._store.heartbeat(name, group, self.owner, now, self.lease_ttl)
+            state = self.topic.state()
+            self._history = self._store.history(name)
+            if state.pending is not None:
+                self._history.append(state.pending)
+            self._recorded = self._store.commands(name, group)
+            wanted = self._to_consume()
+            members = max(1, len(self._store.members(name, group, now)))
+            share = math.ceil(len(wanted) / members) if wanted else 0
+            for physical in list(self._held):
+                if not self._store.lease(name, group, physical, self.owner, now,
+                                         self.lease_ttl):
+                    self.stats.leases_lost += 1
+                    log.warning("lease of %s partition %d lost", name, physical)
+                    del self._held[physical]
+            self._release_done()
+            leases = self._store.leases(name, group, now)
+            for physical in sorted(wanted):
+                if len(self._held) >= share:
+                    break
+                if physical in self._held or physical in leases:
+                    continue
+                if self._store.lease(name, group, physical, self.owner, now, self.lease_ttl):
+                    self._held[physical] = _Held()
+                    self.stats.leases_taken += 1
+            for physical in sorted(self._held, reverse=True):
+                if len(self._held) <= share:
+                    break
+                held = self._held[physical]
+                if not held.outstanding and not held.retrying and held.command is None:
+                    self._store.release(name, group, physical, self.owner)
+                    del self._held[physical]
+            self._refreshed_at = time.monotonic()
+
+    def _to_consume(self) -> set[int]:
+        """The partitions that are not finished and whose predecessors are."""
+        done = self._finished()
+        out: set[int] = set()
+        for physical, (_, closed) in predecessors(self._history).items():
+            if physical not in done and all(c in done for c in closed):
+                out.add(physical)
+        return out
+
+    def _finished(self) -> set[int]:
+        return {p for p, version in closed_by(self._history).items()
+                if (version, p) in self._recorded}
+
+    def _release_done(self) -> None:
+        """Hand back partitions whose command is recorded and whose late window passed."""
+        now = self._now()
+        for physical in list(self._held):
+            held = self._held[physical]
+            if (held.recorded_at is not None and not held.outstanding and not held.retrying
+                    and now - held.recorded_at >= self.topic.fence):
+                self._store.release(self.topic.name, self.group, physical, self.owner)
+                del self._held[physical]
+
+    # -- Broker protocol ------------------------------------------------------------
+
+    def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
+              timeout: float = 0.0) -> list[Message]:
+        """Messages of the partitions this member may consume now (never a command)."""
+        if group != self.group:
+            raise ConfigurationError(f"this feed belongs to group {self.group!r}")
+        self._maybe_refresh()
+        with self._lock:
+            self._record_ready()
+            readable = [self.topic.partition_topic(p) for p in sorted(self._held)]
+        if not readable:
+            self._wake.wait(min(timeout, self.refresh))
+            return []
+        fetched = self._inner.fetch(readable, group, max_messages,
+                                    min(timeout, self.refresh))
+        out: list[Message] = []
+        with self._lock:
+            for message in fetched:
+                physical = self.topic.physical_of_topic(message.topic or "")
+                held = self._held.get(physical)
+                if held is None:  # lease lost meanwhile: let the broker redeliver it
+                    self._inner.nack(message, 0.0)
+                    continue
+                if _is_command(message):
+                    self._reach_command(physical, held, message)
+                    continue
+                if held.recorded_at is not None:
+                    self.stats.late += 1
+                    log.warning("message %s reached %s partition %d after its command "
+                                "was recorded (a publish slower than the fence)",
+                                message.id, self.topic.name, physical)
+                ident = message.id or ""
+                held.retrying.discard(ident)
+                held.outstanding[ident] = held.outstanding.get(ident, 0) + 1
+                out.append(message)
+            self._record_ready()
+        return out
+
+    def _reach_command(self, physical: int, held: _Held, message: Message) -> None:
+        from msgpatterns.ordering.topic import RouteCommand
+
+        command = RouteCommand.parse(message.body)
+        if held.command is not None or (command.version, physical) in self._recorded:
+            self._inner.ack(message)  # a duplicate of the command
+            return
+        held.command = command.version
+        held.command_at = command.appended_at
+        held.command_message = message
+
+    def _record_ready(self) -> None:
+        now = self._now()
+        for physical, held in self._held.items():
+            if (held.command is None or held.recorded_at is not None or held.outstanding
+                    or held.retrying or now < held.command_at + self.topic.fence):
+                continue
+            self._store.record_command(self.topic.name, self.group, held.command, physical)
+            assert held.command_message is not None
+            self._inner.ack(held.command_message)
+            held.recorded_at = now
+            self.stats.commands_recorded += 1
+            self._refreshed_at = float("-inf")  # successors may be consumable now
+
+    def _settled(self, message: Message, *, retrying: bool = False) -> None:
+        try:
+            physical = self.topic.physical_of_topic(message.topic or "")
+        except ConfigurationError:
+            return
+        with self._lock:
+            held = self._held.get(physical)
+            if held is None:
+                return
+            ident = message.id or ""
+            left = held.outstanding.get(ident, 0) - 1
+            if left > 0:
+                held.outstanding[ident] = left
+            else:
+                held.outstanding.pop(ident, None)
+            if retrying:
+                held.retrying.add(ident)
+
+    def ack(self, message: Message) -> None:
+        self._inner.ack(message)
+        self._settled(message)
+
+    def nack(self, message: Message, delay: float = 0.0) -> None:
+        # The message comes back from the same partition: until it is fetched again it
+        # holds the partition's command like an unsettled one.
+        self._inner.nack(message, delay)
+        self._settled(message, retrying=True)
+
+    def dead_letter(self, message: Message, record: DeadLetter) -> None:
+        self._inner.dead_letter(message, record)
+        self._settled(message)
+
+    def publish(self, topic: str, body: Any, *, key: str | None = None,
+                headers: Any = None) -> str:
+        return self._inner.publish(topic, body, key=key, headers=headers)
+
+    def now(self) -> float:
+        return self._inner.now()
+
+    def close(self) -> None:
+        """Leave the group and hand back every lease (the broker stays open)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for physical in list(self._held):
+                self._store.release(self.topic.name, self.group, physical, self.owner)
+            self._held.clear()
+            self._store.leave(self.topic.name, self.group, self.owner)
+        self._wake.set()
+
+    @property
+    def held(self) -> list[int]:
+        """The physical partitions this member holds now."""
+        with self._lock:
+            return sorted(self._held)
+
+    def __repr__(self) -> str:
+        return f"TopicFeed({self.topic.name!r}, group={self.group!r}, held={self.held})"
+
+
+def _is_command(message: Message) -> bool:
+    from msgpatterns.ordering.topic import ROUTE_COMMAND
+
+    return ROUTE_COMMAND in message.headers
