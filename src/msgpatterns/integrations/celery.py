@@ -16,6 +16,10 @@ Guarantees:
   key - the ``key`` callable receives exactly the task's arguments; without ``key``
   the key is the Celery task id (kept by Celery's retries and by redeliveries, not by
   a second ``delay()`` call).
+* With a :class:`~msgpatterns.TransactionalSqlChecker` the task runs inside the
+  checker's transaction: it must take ``tx`` (keyword) and write through it; its writes
+  and the key commit together (exactly once). A task without ``tx`` is refused with a
+  :class:`~msgpatterns.errors.ConfigurationError` when it is decorated.
 * Every outcome goes through :func:`msgpatterns.settlement.settle`
   (``RetryPolicy.decide``): success returns the result; ``NeedRetry()`` retries
   in-process; ``NeedRetry(delay)``, ``InProgress`` and ordinary errors call Celery's
@@ -31,6 +35,7 @@ Guarantees:
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import time
@@ -65,6 +70,26 @@ def _delivery(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Messa
     body = json.dumps({"args": list(args), "kwargs": kwargs}, default=repr).encode()
     return Message(body, id=request.id, topic=task.name,
                    attempt=int(request.retries or 0) + 1)
+
+
+def _require_tx_parameter(fn: Callable[..., Any]) -> None:
+    """A task on a transactional checker must take ``tx`` (keyword) or ``**kwargs``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): trust the caller
+        return
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD or (
+            parameter.name == "tx" and parameter.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ):
+            return
+    raise ConfigurationError(
+        f"task {fn.__module__}.{fn.__qualname__} has no 'tx' parameter, but "
+        "TransactionalSqlChecker runs the task in its transaction and passes it as tx=: "
+        "write def task(order_id, amount, *, tx) and do the task's writes through tx "
+        "(or use SqlChecker / RedisChecker, which do not pass a transaction)"
+    )
 
 
 def idempotent_task(
@@ -110,14 +135,23 @@ def idempotent_task(
         require_sync_callable(fn, what="task", where="idempotent_task",
                               alternative="a sync function (Celery runs sync tasks)")
         name = group or f"{fn.__module__}.{fn.__qualname__}"
+        passes_tx = bool(getattr(checker, "passes_tx", False))
+        if passes_tx:
+            _require_tx_parameter(fn)
 
         def body(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(*args, **kwargs)
 
+        def body_in_tx(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       tx: Any) -> Any:
+            return fn(*args, tx=tx, **kwargs)
+
         def key_of(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
             return key(*args, **kwargs) if key is not None else message.id
 
-        run = body if checker is None else idempotent(checker, key=key_of, group=name)(body)
+        run: Callable[..., Any] = body
+        if checker is not None:
+            run = idempotent(checker, key=key_of, group=name)(body_in_tx if passes_tx else body)
 
         @functools.wraps(fn)
         def task(self: Any, *args: Any, **kwargs: Any) -> Any:
