@@ -53,12 +53,13 @@ from msgpatterns.settlement import Ack, DeadLetterIt, RetryLater, RetryNow, sett
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.base import Checker
+    from msgpatterns.integrations.deadletters import RedisDeadLetterStore
 
 require("celery", "celery")
 
 from celery.exceptions import TaskPredicate  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["idempotent_task"]
+__all__ = ["idempotent_task", "resend_replayed"]
 
 log = logging.getLogger("msgpatterns.integrations.celery")
 
@@ -183,7 +184,30 @@ def idempotent_task(
             assert error is not None
             raise error
 
-        options = {"bind": True, "acks_late": True, **task_options}
+        options = {"bind": True, "acks_late": True, **task_options,
+                   "msgpatterns_group": name}
         return app.task(**options)(task)
 
     return decorate
+
+
+def resend_replayed(task: Any, store: RedisDeadLetterStore) -> int:
+    """Send every dead letter of ``task`` that ``msgpatterns dlq replay`` put back
+    (``--group <the task's group>`` or ``--to-topic``) to Celery again, as a new run of
+    ``task`` with its arguments and its original task id; how many.
+
+    Each replayed message is deleted from Redis only after ``apply_async`` returned: a
+    crash in between sends it twice (the idempotency key absorbs it), never loses it.
+    Arguments went through JSON in the record: values that are not JSON (dates,
+    objects) come back as their ``repr``.
+    """
+    group = getattr(task, "msgpatterns_group", None)
+    if not group:
+        raise ConfigurationError(f"{task!r} is not an idempotent_task")
+
+    def send(message: Message) -> None:
+        call = json.loads(message.raw_body)
+        task.apply_async(tuple(call.get("args") or ()), call.get("kwargs") or {},
+                         task_id=message.id)
+
+    return store.take_replays(task.name, group, send)

@@ -1,0 +1,114 @@
+"""Celery dead letters in Redis that ``msgpatterns dlq`` lists and replays, with a real
+``celery worker`` process (issue 23, item 7): the task gives up, the record is listed by
+the command, replayed by the command, sent back to Celery by ``resend_replayed`` and run
+once by the worker."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("celery")
+
+import redis
+
+from msgpatterns.integrations.celery import resend_replayed
+
+pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
+
+HERE = Path(__file__).parent
+
+
+def until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    give_up = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < give_up, "timed out"
+        time.sleep(0.05)
+
+
+def dlq(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "msgpatterns", "dlq", *args],
+                          capture_output=True, text=True, timeout=60, check=True)
+
+
+@pytest.fixture
+def state_url(redis_url: str) -> str:
+    base = redis_url.rsplit("/", 1)[0] if redis_url.count("/") > 2 else redis_url
+    return f"{base}/14"
+
+
+@pytest.fixture
+def worker(state_url: str, unique: str) -> Iterator[dict[str, str]]:
+    env = {**os.environ, "MP_CELERY_BROKER": state_url, "MP_CELERY_STATE": state_url,
+           "MP_CELERY_PREFIX": f"mp-celery-{unique}",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "celery_worker_app", "worker", "--pool=solo",
+         "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel=INFO",
+         "-Q", env["MP_CELERY_PREFIX"]],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        yield env
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        client = redis.Redis.from_url(state_url)
+        prefix = env["MP_CELERY_PREFIX"]
+        client.delete(*client.keys(f"{prefix}*"), *client.keys(f"_kombu.binding.{prefix}*"),
+                      f"{prefix}:fixed")
+        client.close()
+
+
+def test_dead_letters_are_listed_and_replayed_by_the_command(
+        worker: dict[str, str], state_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in worker.items():
+        if name.startswith("MP_CELERY_"):
+            monkeypatch.setenv(name, value)
+    sys.path.insert(0, str(HERE))
+    try:
+        import celery_worker_app as tasks_module
+
+        app, ship, store = tasks_module.make_app(worker["MP_CELERY_BROKER"],
+                                                 worker["MP_CELERY_PREFIX"], state_url)
+    finally:
+        sys.path.remove(str(HERE))
+    prefix = worker["MP_CELERY_PREFIX"]
+    topic = f"{prefix}.ship"
+    client = redis.Redis.from_url(state_url)
+
+    ship.apply_async(("o-1",), task_id="ship-1")
+
+    def listed() -> list[dict[str, object]]:
+        out = dlq("list", "--json", "--topic", topic, state_url).stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    until(lambda: len(listed()) == 1)
+    [record] = listed()
+    assert record["id"] == "ship-1"
+    assert record["group"] == "shipping"
+    assert record["attempts"] == 2  # max_attempts: one Celery retry, then given up
+    assert record["error_type"] == "builtins.ConnectionError"
+    assert json.loads(base64.b64decode(str(record["body_b64"]))) == {
+        "args": ["o-1"], "kwargs": {}}
+
+    client.set(f"{prefix}:fixed", 1)  # the carrier is back
+    assert "replayed 1 dead letter(s)" in dlq("replay", "--all", "--topic", topic,
+                                               state_url).stdout
+    assert listed() == []
+    assert resend_replayed(ship, store) == 1
+    until(lambda: client.hget(f"{prefix}:shipped", "o-1") == b"1")
+    assert resend_replayed(ship, store) == 0  # nothing left behind
+    client.close()
+    app.close()
