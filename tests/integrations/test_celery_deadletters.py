@@ -6,6 +6,7 @@ once by the worker."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import subprocess
@@ -76,14 +77,13 @@ def test_dead_letters_are_listed_and_replayed_by_the_command(
     for name, value in worker.items():
         if name.startswith("MP_CELERY_"):
             monkeypatch.setenv(name, value)
-    sys.path.insert(0, str(HERE))
-    try:
-        import celery_worker_app as tasks_module
-
-        app, ship, store = tasks_module.make_app(worker["MP_CELERY_BROKER"],
-                                                 worker["MP_CELERY_PREFIX"], state_url)
-    finally:
-        sys.path.remove(str(HERE))
+    # The worker's module, built in this process with the worker's settings.
+    spec = importlib.util.spec_from_file_location(f"app_{worker['MP_CELERY_PREFIX']}",
+                                                  HERE / "celery_worker_app.py")
+    assert spec is not None and spec.loader is not None
+    tasks_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks_module)
+    app, ship, store = tasks_module.app, tasks_module.ship, tasks_module.store
     prefix = worker["MP_CELERY_PREFIX"]
     topic = f"{prefix}.ship"
     client = redis.Redis.from_url(state_url)
