@@ -21,8 +21,9 @@ first message):
   ``RejectMessage`` pass through untouched.
 * The attempt count is durable: the copy carries ``x-msgpatterns-attempt`` (and the
   failure history) in its headers; a RabbitMQ quorum queue's ``x-delivery-count``
-  adds deliveries that died with their consumer; on NATS JetStream the attempt is
-  ``num_delivered`` (the retry is JetStream's own delayed NAK).
+  adds deliveries that died with their consumer, on NATS JetStream ``num_delivered``
+  does (a copy fetched before it is due is NAKed with the time it still has to wait,
+  which is not counted).
 * A copy or dead letter is stored (RabbitMQ: publisher-confirmed) *before* FastStream
   acks the original: a crash in between duplicates it, never loses it. If that fails
   the original is nacked (``NackMessage``): handed back, never acked.
@@ -112,6 +113,8 @@ class _Route(Protocol):
 
     def start(self) -> None: ...
 
+    async def park(self, msg: Any) -> bool: ...
+
     def message(self, msg: Any) -> Message: ...
 
     async def retry(self, msg: Any, message: Message, decision: RetryLater) -> None: ...
@@ -134,6 +137,9 @@ class _RabbitRoute:
 
     def start(self) -> None:
         pass
+
+    async def park(self, msg: Any) -> bool:
+        return False
 
     def message(self, msg: Any) -> Message:
         raw = msg.raw_message
@@ -328,6 +334,9 @@ class _RedisStreamRoute:
     def start(self) -> None:
         _redis_delays(self.broker).watch(self.kind, self.stream)
 
+    async def park(self, msg: Any) -> bool:
+        return False
+
     def message(self, msg: Any) -> Message:
         t = codec.split_transport(msg.headers or {})
         ids = msg.raw_message.get("message_ids") or []
@@ -375,6 +384,9 @@ class _KafkaRoute:
     def start(self) -> None:
         pass
 
+    async def park(self, msg: Any) -> bool:
+        return False
+
     def message(self, msg: Any) -> Message:
         raw = msg.raw_message
         t = codec.split_transport(msg.headers or {})
@@ -407,6 +419,13 @@ class _KafkaRoute:
 
 
 class _NatsRoute:
+    """NATS JetStream: a retry is a copy published to the subject with the next attempt
+    and its due time in its headers (like ``NatsJetStreamBroker``); a copy fetched
+    before it is due goes back with JetStream's delayed NAK, which the server keeps, so
+    the subscriber never holds it. The attempt is the copy's header, not JetStream's
+    ``num_delivered`` alone: a NATS 2.9 server can report a redelivery of a
+    pull consumer with a delivery count of 1."""
+
     def __init__(self, broker: Any, stream: str, group: str) -> None:
         self.broker = broker
         self.stream = stream
@@ -415,22 +434,44 @@ class _NatsRoute:
     def start(self) -> None:
         pass
 
+    @staticmethod
+    def _transport(msg: Any) -> tuple[codec.Transport, int]:
+        t = codec.split_transport(msg.headers or {})
+        parked = 1 if t.headers.pop(codec.PARKED, None) else 0
+        return t, parked
+
+    async def park(self, msg: Any) -> bool:
+        """NAK a copy that is not due yet with the time it still has to wait."""
+        t, _ = self._transport(msg)
+        left = (t.due_at - time.time()) if t.due_at is not None else 0.0
+        if left <= 0:
+            return False
+        await msg.nack(delay=left)
+        return True
+
     def message(self, msg: Any) -> Message:
         raw = msg.raw_message
         meta = raw.metadata
-        t = codec.split_transport(msg.headers or {})
+        t, parked = self._transport(msg)
         seq = f"{meta.stream}:{meta.sequence.stream}"
+        redeliveries = max(0, meta.num_delivered - 1 - parked)
         return Message(msg.body, id=t.id or t.headers.get("message_id")
                        or t.headers.get("Nats-Msg-Id") or seq,
                        key=t.key, topic=raw.subject, headers=t.headers,
                        timestamp=t.timestamp if t.timestamp is not None else (
                            meta.timestamp.timestamp() if meta.timestamp else None),
-                       attempt=codec.attempt_of(t.headers, max(0, meta.num_delivered - 1)))
+                       attempt=codec.attempt_of(t.headers, redeliveries))
 
     async def retry(self, msg: Any, message: Message, decision: RetryLater) -> None:
-        # JetStream redelivers by itself after the delay (NAK with a delay) and counts
-        # the delivery: the attempt is num_delivered.
-        await msg.nack(delay=decision.delay if decision.delay > 0 else None)
+        due = time.time() + decision.delay if decision.delay > 0 else None
+        headers = codec.wire_headers(dict(decision.headers), message_id=message.id,
+                                     key=message.key, timestamp=message.timestamp,
+                                     due_at=due)
+        if due is not None:
+            headers[codec.PARKED] = "1"  # its first (parking) delivery is no attempt
+        await self.broker.publish(msg.body, subject=msg.raw_message.subject,
+                                  stream=self.stream, headers=headers,
+                                  correlation_id=msg.correlation_id)
 
     async def dead_letter(self, record: DeadLetter) -> None:
         from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
@@ -543,6 +584,8 @@ class _SettlingMiddleware(BaseMiddleware):
                             msg: Any) -> Any:
         route = _route(msg, self.context)
         route.start()
+        if await route.park(msg):  # a retry copy fetched before it is due
+            return None
         message = route.message(msg)
         group = self.config.group or route.group
         with self.context.scope(CONTEXT_KEY, message):
