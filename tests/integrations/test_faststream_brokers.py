@@ -244,3 +244,53 @@ def test_an_unsupported_subscriber_is_refused_when_the_app_starts() -> None:
     text = str(info.value)
     assert "Redis pub/sub channels carry no acknowledgement" in text
     assert "batch=True" in text
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(60)
+def test_a_delayed_redis_retry_survives_the_app_stopping(redis_url: str, unique: str) -> None:
+    """The app stops while a retry copy waits: the copy stays in Redis and is delivered
+    after the next start (``check`` resumes the mover), with its attempt count."""
+    import redis
+
+    stream = f"fs-stop-{unique}"
+    policy = RetryPolicy(max_attempts=3, backoff=Backoff.fixed(1.0), local_retries=0)
+    seen: list[int] = []
+
+    def app() -> tuple[RedisBroker, MsgpatternsMiddleware]:
+        middleware = MsgpatternsMiddleware(policy)
+        broker = RedisBroker(redis_url, middlewares=[middleware])
+
+        @broker.subscriber(stream=StreamSub(stream, group="billing", consumer="c1"))
+        async def handle(body: dict[str, Any], delivery: Delivery) -> None:
+            seen.append(delivery.attempt)
+            if delivery.attempt == 1:
+                raise TimeoutError("ledger busy")
+
+        return broker, middleware
+
+    async def first_run() -> None:
+        broker, _ = app()
+        async with broker:
+            await broker.start()
+            await broker.publish({"n": 1}, stream=stream)
+            await until(lambda: seen == [1])
+            await until(lambda: client.zcard(f"{stream}:fs-delayed") == 1)
+
+    async def second_run() -> None:
+        broker, middleware = app()
+        async with broker:
+            middleware.check(broker)
+            await broker.start()
+            await until(lambda: seen == [1, 2])
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        asyncio.run(first_run())
+        assert client.xpending(stream, "billing")["pending"] == 0  # acked: the copy is kept
+        asyncio.run(second_run())
+        assert client.zcard(f"{stream}:fs-delayed") == 0
+        assert client.hlen(f"{stream}:fs-delayed:data") == 0
+    finally:
+        client.delete(stream, f"{stream}:fs-delayed", f"{stream}:fs-delayed:data")
+        client.close()

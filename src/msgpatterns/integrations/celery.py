@@ -114,8 +114,11 @@ def idempotent_task(
         key: called with exactly the task's arguments, returns the key; default: the
             Celery task id.
         policy: the retry policy (default ``RetryPolicy()``).
-        dead_letters: where records of given-up tasks go
-            (:class:`~msgpatterns.deadletter.MemoryDeadLetterStore` or your store);
+        dead_letters: where records of given-up tasks go:
+            :class:`~msgpatterns.integrations.deadletters.RedisDeadLetterStore` (the
+            stream ``<task name>:dlq``, which ``msgpatterns dlq`` lists and replays;
+            :func:`resend_replayed` sends replays back to Celery),
+            :class:`~msgpatterns.deadletter.MemoryDeadLetterStore` or your store;
             None: they are only logged.
         group: the idempotency group and the records' group (default: the function's
             ``module.qualname``).
