@@ -174,3 +174,14 @@ def test_transactional_checker_task_without_tx_is_refused_with_a_reason(
         @idempotent_task(worker_app, checker, name="test.no_tx")
         def charge(order_id: str) -> None: ...
     assert "<locals>.body" not in str(info.value)
+
+
+def test_an_async_checker_is_refused_naming_the_sync_one(worker_app: Celery) -> None:
+    from msgpatterns.errors import ConfigurationError
+    from msgpatterns.idempotency import AsyncRedisChecker
+
+    checker = AsyncRedisChecker("redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigurationError, match="use RedisChecker") as info:
+        @idempotent_task(worker_app, checker, name="test.async_checker")
+        def charge(order_id: str) -> None: ...
+    assert "<locals>" not in str(info.value)

@@ -131,6 +131,12 @@ def idempotent_task(
         raise ConfigurationError(f"dead_letters must be a DeadLetterStore, got {dead_letters!r}")
     if key is not None:
         require_sync_callable(key, what="key", where="idempotent_task")
+    if checker is not None and not callable(getattr(checker, "execute", None)) \
+            and callable(getattr(checker, "aexecute", None)):
+        sync_name = type(checker).__name__.removeprefix("Async")
+        raise ConfigurationError(
+            f"idempotent_task runs sync Celery tasks, but {type(checker).__name__} guards "
+            f"async def handlers: use {sync_name}")
     rules = policy if policy is not None else RetryPolicy()
     if task_options.get("acks_late") is False or task_options.get("bind") is False:
         raise ConfigurationError("idempotent_task registers acks_late=True, bind=True tasks")
@@ -155,7 +161,10 @@ def idempotent_task(
 
         run: Callable[..., Any] = body
         if checker is not None:
-            run = idempotent(checker, key=key_of, group=name)(body_in_tx if passes_tx else body)
+            guarded = body_in_tx if passes_tx else body
+            # Errors about the guarded call name the task, not this adapter's inner function.
+            guarded.__module__, guarded.__qualname__ = fn.__module__, fn.__qualname__
+            run = idempotent(checker, key=key_of, group=name)(guarded)
 
         @functools.wraps(fn)
         def task(self: Any, *args: Any, **kwargs: Any) -> Any:
