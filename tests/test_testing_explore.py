@@ -3,6 +3,11 @@ shortest story, and passes correct handlers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from msgpatterns import MemoryChecker, Message, NeedRetry, Reject, idempotent
@@ -93,3 +98,99 @@ def test_an_async_handler_is_refused() -> None:
 
     with pytest.raises(TypeError, match="async def"):
         explore_schedules(handler, ORDERS, invariant=lambda _: True)
+
+
+def test_an_idempotent_handler_built_once_serves_every_schedule() -> None:
+    """Issue 23 item 8: the MemoryChecker of an @idempotent handler is reset before each
+    schedule, so the handler need not be rebuilt by hand (before: the second schedule
+    found every key DONE, skipped the body, and the invariant failed)."""
+    charged: list[str] = []
+    checker = MemoryChecker()
+
+    @idempotent(checker)
+    def charge(message: Message) -> None:
+        charged.append(message.key or "")
+
+    runs = explore_schedules(charge, ORDERS, setup=charged.clear, seed=2, max_examples=50,
+                             invariant=lambda _: sorted(charged) == ["order-1", "order-2"])
+    assert runs >= 50
+
+
+def test_checkers_resets_a_memory_checker_the_handler_uses_inside() -> None:
+    charged: list[str] = []
+    checker = MemoryChecker()
+
+    @idempotent(checker)
+    def charge_once(m: Message) -> None:
+        charged.append(m.key or "")
+
+    def handler(message: Message) -> None:  # the guarded call is inside
+        charge_once(message)
+
+    explore_schedules(handler, ORDERS, setup=charged.clear, seed=3, max_examples=30,
+                      checkers=[checker],
+                      invariant=lambda _: sorted(charged) == ["order-1", "order-2"])
+    with pytest.raises(ConfigurationError, match="MemoryCheckers"):
+        explore_schedules(handler, ORDERS, invariant=lambda _: True,
+                          checkers=[object()])  # type: ignore[list-item]
+
+
+def test_reset_forgets_every_key_and_zeroes_the_stats() -> None:
+    checker = MemoryChecker()
+    ran: list[str] = []
+
+    @idempotent(checker, key=lambda k: k)
+    def once(k: str) -> None:
+        ran.append(k)
+
+    once("a")
+    once("a")
+    assert (len(checker), checker.stats.duplicates) == (1, 1)
+    checker.reset()
+    assert (len(checker), checker.stats.duplicates, checker.stats.completed) == (0, 0, 0)
+    once("a")
+    assert ran == ["a", "a"]
+
+
+EXPLORE_IN_A_DIRECTORY = """
+from msgpatterns.testing import ScheduleFailure, explore_schedules
+seen = []
+try:  # a failing invariant: Hypothesis would save the failing example
+    explore_schedules(lambda m: seen.append(m.key), [("k", b"x")], setup=seen.clear,
+                      invariant=lambda _: len(seen) < 2, max_examples=50, {extra})
+except ScheduleFailure:
+    pass
+else:
+    raise SystemExit("no failure found")
+"""
+
+
+EXPLORE_MANY = """
+from msgpatterns.testing import explore_schedules
+seen = []
+explore_schedules(lambda m: seen.append(m.key), [("k", b"x"), ("j", b"y")],
+                  setup=seen.clear, invariant=lambda _: True, max_examples=300)
+"""
+
+
+@pytest.mark.parametrize("script", [EXPLORE_MANY, EXPLORE_IN_A_DIRECTORY.format(extra="")],
+                         ids=["passing", "failing"])
+def test_hypothesis_writes_nothing_to_the_working_directory(tmp_path: Path,
+                                                            script: str) -> None:
+    """Before: Hypothesis' caches landed in ./.hypothesis of the user's project."""
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True, timeout=120,
+                   env=_env_with_src())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_database_keeps_hypothesis_files_where_asked(tmp_path: Path) -> None:
+    extra = f"database={str(tmp_path / 'db')!r}"
+    subprocess.run([sys.executable, "-c", EXPLORE_IN_A_DIRECTORY.format(extra=extra)],
+                   cwd=tmp_path, check=True, timeout=120, env=_env_with_src())
+    assert [p.name for p in tmp_path.iterdir()] == ["db"]
+    assert any((tmp_path / "db" / "examples").iterdir())  # the failing schedule, kept
+
+
+def _env_with_src() -> dict[str, str]:
+    src = str(Path(__file__).parent.parent / "src")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}

@@ -117,3 +117,71 @@ def test_duplicates_retries_and_dead_letters_with_a_real_worker(worker_app: Cele
     assert rejected.attempts == 1
     assert exhausted.attempts == 3  # Celery's request.retries carried the count
     assert exhausted.error_type == "builtins.ValueError"
+
+
+@pytest.mark.postgres
+def test_transactional_sql_checker_runs_the_task_in_its_transaction(
+        worker_app: Celery, postgres_url: str, unique: str) -> None:
+    """Issue 19 hole 8: a task on a TransactionalSqlChecker gets the checker's open
+    transaction as ``tx``; its write and the key commit together (exactly once), a
+    failing attempt rolls both back and the retry runs it again."""
+    import sqlalchemy as sa
+
+    from msgpatterns import TransactionalSqlChecker
+
+    engine = sa.create_engine(postgres_url)
+    table = f"charges_{unique}"
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE TABLE {table} (order_id text PRIMARY KEY, amount int)"))
+    checker = TransactionalSqlChecker(engine, table=f"dedup_{unique}")
+    failures = [1]
+
+    @idempotent_task(worker_app, checker, key=lambda order_id, amount: order_id,
+                     policy=POLICY, name="test.charge_tx")
+    def charge(order_id: str, amount: int, *, tx: sa.Connection) -> None:
+        tx.execute(sa.text(f"INSERT INTO {table} VALUES (:o, :a)"),
+                   {"o": order_id, "a": amount})
+        if failures:
+            failures.pop()
+            raise TimeoutError("ledger busy")  # rolls the insert and the claim back
+
+    def rows() -> list[tuple[str, int]]:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(sa.text(f"SELECT * FROM {table}"))]
+
+    try:
+        with start_worker(worker_app, pool="solo", perform_ping_check=False,
+                          shutdown_timeout=10):
+            charge.apply_async(("o-1", 500), task_id="tx-1")
+            until(lambda: len(rows()) == 1 and not failures)
+            charge.apply_async(("o-1", 500), task_id="tx-2")  # same order, new id
+            until(lambda: checker.stats.duplicates == 1)
+        assert rows() == [("o-1", 500)]
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS {table}"))
+            conn.execute(sa.text(f"DROP TABLE IF EXISTS dedup_{unique}"))
+        engine.dispose()
+
+
+def test_transactional_checker_task_without_tx_is_refused_with_a_reason(
+        worker_app: Celery, tmp_path: object) -> None:
+    from msgpatterns import TransactionalSqlChecker
+    from msgpatterns.errors import ConfigurationError
+
+    checker = TransactionalSqlChecker(f"sqlite:///{tmp_path}/d.db")
+    with pytest.raises(ConfigurationError, match=r"no 'tx' parameter.*tx=") as info:
+        @idempotent_task(worker_app, checker, name="test.no_tx")
+        def charge(order_id: str) -> None: ...
+    assert "<locals>.body" not in str(info.value)
+
+
+def test_an_async_checker_is_refused_naming_the_sync_one(worker_app: Celery) -> None:
+    from msgpatterns.errors import ConfigurationError
+    from msgpatterns.idempotency import AsyncRedisChecker
+
+    checker = AsyncRedisChecker("redis://127.0.0.1:1/0")
+    with pytest.raises(ConfigurationError, match="use RedisChecker") as info:
+        @idempotent_task(worker_app, checker, name="test.async_checker")
+        def charge(order_id: str) -> None: ...
+    assert "<locals>" not in str(info.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -122,6 +123,17 @@ class MemoryChecker(AsyncDriver, LeaseChecker):
         self._check_open()
         with self.store._lock:
             return self.store.sweep(self.clock(), seconds(older_than) or 0.0)
+
+    def reset(self) -> None:
+        """Forget every key and zero :attr:`stats`: the checker is as new, and it is
+        the same object, so the handlers decorated with it need not be rebuilt (for
+        tests: between the schedules of
+        :func:`~msgpatterns.testing.explore_schedules`, between test cases). Do not
+        call it while handlers run: a key claimed before it is forgotten."""
+        self._check_open()
+        self.store.clear()
+        for name in [f.name for f in dataclasses.fields(self.stats)]:
+            setattr(self.stats, name, 0)
 
     def _close(self) -> None:
         self.store.clear()

@@ -16,6 +16,10 @@ Guarantees:
   key - the ``key`` callable receives exactly the task's arguments; without ``key``
   the key is the Celery task id (kept by Celery's retries and by redeliveries, not by
   a second ``delay()`` call).
+* With a :class:`~msgpatterns.TransactionalSqlChecker` the task runs inside the
+  checker's transaction: it must take ``tx`` (keyword) and write through it; its writes
+  and the key commit together (exactly once). A task without ``tx`` is refused with a
+  :class:`~msgpatterns.errors.ConfigurationError` when it is decorated.
 * Every outcome goes through :func:`msgpatterns.settlement.settle`
   (``RetryPolicy.decide``): success returns the result; ``NeedRetry()`` retries
   in-process; ``NeedRetry(delay)``, ``InProgress`` and ordinary errors call Celery's
@@ -31,6 +35,7 @@ Guarantees:
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import time
@@ -49,12 +54,13 @@ from msgpatterns.settlement import Ack, DeadLetterIt, RetryLater, RetryNow, sett
 
 if TYPE_CHECKING:
     from msgpatterns.idempotency.base import Checker
+    from msgpatterns.integrations.deadletters import RedisDeadLetterStore
 
 require("celery", "celery")
 
 from celery.exceptions import TaskPredicate  # type: ignore[import-untyped]  # noqa: E402
 
-__all__ = ["idempotent_task"]
+__all__ = ["idempotent_task", "resend_replayed"]
 
 log = logging.getLogger("msgpatterns.integrations.celery")
 
@@ -66,6 +72,26 @@ def _delivery(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Messa
     body = json.dumps({"args": list(args), "kwargs": kwargs}, default=repr).encode()
     return Message(body, id=request.id, topic=task.name,
                    attempt=int(request.retries or 0) + 1)
+
+
+def _require_tx_parameter(fn: Callable[..., Any]) -> None:
+    """A task on a transactional checker must take ``tx`` (keyword) or ``**kwargs``."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): trust the caller
+        return
+    for parameter in parameters:
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD or (
+            parameter.name == "tx" and parameter.kind in (
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ):
+            return
+    raise ConfigurationError(
+        f"task {fn.__module__}.{fn.__qualname__} has no 'tx' parameter, but "
+        "TransactionalSqlChecker runs the task in its transaction and passes it as tx=: "
+        "write def task(order_id, amount, *, tx) and do the task's writes through tx "
+        "(or use SqlChecker / RedisChecker, which do not pass a transaction)"
+    )
 
 
 def idempotent_task(
@@ -89,8 +115,11 @@ def idempotent_task(
         key: called with exactly the task's arguments, returns the key; default: the
             Celery task id.
         policy: the retry policy (default ``RetryPolicy()``).
-        dead_letters: where records of given-up tasks go
-            (:class:`~msgpatterns.deadletter.MemoryDeadLetterStore` or your store);
+        dead_letters: where records of given-up tasks go:
+            :class:`~msgpatterns.integrations.deadletters.RedisDeadLetterStore` (the
+            stream ``<task name>:dlq``, which ``msgpatterns dlq`` lists and replays;
+            :func:`resend_replayed` sends replays back to Celery),
+            :class:`~msgpatterns.deadletter.MemoryDeadLetterStore` or your store;
             None: they are only logged.
         group: the idempotency group and the records' group (default: the function's
             ``module.qualname``).
@@ -103,6 +132,12 @@ def idempotent_task(
         raise ConfigurationError(f"dead_letters must be a DeadLetterStore, got {dead_letters!r}")
     if key is not None:
         require_sync_callable(key, what="key", where="idempotent_task")
+    if checker is not None and not callable(getattr(checker, "execute", None)) \
+            and callable(getattr(checker, "aexecute", None)):
+        sync_name = type(checker).__name__.removeprefix("Async")
+        raise ConfigurationError(
+            f"idempotent_task runs sync Celery tasks, but {type(checker).__name__} guards "
+            f"async def handlers: use {sync_name}")
     rules = policy if policy is not None else RetryPolicy()
     if task_options.get("acks_late") is False or task_options.get("bind") is False:
         raise ConfigurationError("idempotent_task registers acks_late=True, bind=True tasks")
@@ -111,14 +146,26 @@ def idempotent_task(
         require_sync_callable(fn, what="task", where="idempotent_task",
                               alternative="a sync function (Celery runs sync tasks)")
         name = group or f"{fn.__module__}.{fn.__qualname__}"
+        passes_tx = bool(getattr(checker, "passes_tx", False))
+        if passes_tx:
+            _require_tx_parameter(fn)
 
         def body(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return fn(*args, **kwargs)
 
+        def body_in_tx(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       tx: Any) -> Any:
+            return fn(*args, tx=tx, **kwargs)
+
         def key_of(message: Message, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
             return key(*args, **kwargs) if key is not None else message.id
 
-        run = body if checker is None else idempotent(checker, key=key_of, group=name)(body)
+        run: Callable[..., Any] = body
+        if checker is not None:
+            guarded = body_in_tx if passes_tx else body
+            # Errors about the guarded call name the task, not this adapter's inner function.
+            guarded.__module__, guarded.__qualname__ = fn.__module__, fn.__qualname__
+            run = idempotent(checker, key=key_of, group=name)(guarded)
 
         @functools.wraps(fn)
         def task(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -150,7 +197,30 @@ def idempotent_task(
             assert error is not None
             raise error
 
-        options = {"bind": True, "acks_late": True, **task_options}
+        options = {"bind": True, "acks_late": True, **task_options,
+                   "msgpatterns_group": name}
         return app.task(**options)(task)
 
     return decorate
+
+
+def resend_replayed(task: Any, store: RedisDeadLetterStore) -> int:
+    """Send every dead letter of ``task`` that ``msgpatterns dlq replay`` put back
+    (``--group <the task's group>`` or ``--to-topic``) to Celery again, as a new run of
+    ``task`` with its arguments and its original task id; how many.
+
+    Each replayed message is deleted from Redis only after ``apply_async`` returned: a
+    crash in between sends it twice (the idempotency key absorbs it), never loses it.
+    Arguments went through JSON in the record: values that are not JSON (dates,
+    objects) come back as their ``repr``.
+    """
+    group = getattr(task, "msgpatterns_group", None)
+    if not group:
+        raise ConfigurationError(f"{task!r} is not an idempotent_task")
+
+    def send(message: Message) -> None:
+        call = json.loads(message.raw_body)
+        task.apply_async(tuple(call.get("args") or ()), call.get("kwargs") or {},
+                         task_id=message.id)
+
+    return store.take_replays(task.name, group, send)

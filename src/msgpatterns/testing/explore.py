@@ -17,20 +17,30 @@ then a drain: every message not yet settled is delivered, in publish order, unti
 is acked or dead-lettered. So every message is delivered at least once and the
 invariant is checked on a finished run, as the broker would leave it.
 
-Guarantees: each schedule starts from ``setup()``; a failure is reported with the
-smallest schedule Hypothesis finds; runs are reproducible with ``seed``.
+Guarantees: each schedule starts from ``setup()``, with every ``MemoryChecker`` of an
+``@idempotent`` handler (and those in ``checkers``) reset, so the same guarded handler
+serves every schedule; a failure is reported with the smallest schedule Hypothesis
+finds; runs are reproducible with ``seed``. Hypothesis writes nothing to the working
+directory (its caches go to a temporary directory, removed afterwards) unless
+``database=`` names a directory for its example database.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable, Mapping, Sequence
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from msgpatterns._callables import require_sync_callable
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError, NeedRetry, Reject, describe
+from msgpatterns.idempotency.batch import guard_of
+from msgpatterns.idempotency.memory import MemoryChecker
 from msgpatterns.message import Message
 
 __all__ = ["Fault", "ScheduleFailure", "explore_schedules"]
@@ -127,6 +137,37 @@ def _as_message(item: Message | Mapping[str, Any] | tuple[Any, Any], index: int)
     )
 
 
+@contextlib.contextmanager
+def _hypothesis_home(database: str | os.PathLike[str] | None) -> Iterator[Path | None]:
+    """Hypothesis' storage directory for one exploration: ``database`` when given,
+    else a temporary directory removed afterwards (never ``./.hypothesis``)."""
+    from hypothesis import configuration
+
+    previous = getattr(configuration, "__hypothesis_home_directory", None)
+    with contextlib.ExitStack() as stack:
+        home = Path(database) if database is not None else Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="msgpatterns-explore-")))
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield home if database is not None else None
+        finally:
+            configuration.set_hypothesis_home_dir(previous)
+
+
+def _memory_checkers(handler: Callable[..., Any],
+                     extra: Sequence[MemoryChecker]) -> list[MemoryChecker]:
+    found = list(extra)
+    guard = guard_of(handler)
+    if guard is not None and isinstance(guard.checker, MemoryChecker):
+        found.append(guard.checker)
+    for checker in found:
+        if not isinstance(checker, MemoryChecker):
+            raise ConfigurationError(
+                f"checkers= takes MemoryCheckers (reset before each schedule), got "
+                f"{type(checker).__name__}; reset other stores in setup=")
+    return list({id(c): c for c in found}.values())
+
+
 def explore_schedules(
     handler: Callable[[Message], Any],
     messages: Sequence[Message | Mapping[str, Any] | tuple[Any, Any]],
@@ -139,6 +180,8 @@ def explore_schedules(
     max_attempts: int = 5,
     lost_acks: bool = True,
     seed: int | None = None,
+    checkers: Sequence[MemoryChecker] = (),
+    database: str | os.PathLike[str] | None = None,
 ) -> int:
     """Run ``handler`` over generated delivery schedules of ``messages``.
 
@@ -157,6 +200,12 @@ def explore_schedules(
         max_attempts: deliveries after which a failing message counts as dead-lettered.
         lost_acks: include lost acks among the faults.
         seed: make the exploration reproducible.
+        checkers: more ``MemoryChecker`` s to reset before each schedule (the one of
+            an ``@idempotent`` handler is found and reset without it; reset other
+            stores - Redis, SQL - in ``setup``).
+        database: a directory for Hypothesis' example database (failing schedules
+            are replayed first on the next run) and caches; None (default): a
+            temporary directory, removed afterwards, and no example database.
 
     Returns the number of schedules run. Raises :class:`ScheduleFailure` with the
     minimal failing schedule as a story.
@@ -173,10 +222,13 @@ def explore_schedules(
     faults = [Fault.NONE, Fault.ACK_LOST] if lost_acks else [Fault.NONE]
     step = st.tuples(st.integers(0, len(originals) - 1), st.sampled_from(faults))
     runs = 0
+    fresh = _memory_checkers(handler, checkers)
 
     def one_schedule(prefix: list[tuple[int, Fault]]) -> None:
         nonlocal runs
         runs += 1
+        for checker in fresh:
+            checker.reset()
         state = setup() if setup is not None else None
         run = _Run(originals, handler, state, max_attempts)
         try:
@@ -195,13 +247,19 @@ def explore_schedules(
             if teardown is not None:
                 teardown(state)
 
-    settings = hypothesis.settings(
-        max_examples=max_examples, deadline=None, database=None,
-        derandomize=seed is not None, suppress_health_check=list(hypothesis.HealthCheck),
-        phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
-    )
-    test = hypothesis.given(st.lists(step, max_size=max_steps))(one_schedule)
-    if seed is not None:
-        test = hypothesis.seed(seed)(test)
-    settings(test)()
+    with _hypothesis_home(database) as home:
+        phases = [hypothesis.Phase.generate, hypothesis.Phase.shrink]
+        examples = None
+        if home is not None:
+            examples = hypothesis.database.DirectoryBasedExampleDatabase(home / "examples")
+            phases.insert(0, hypothesis.Phase.reuse)
+        settings = hypothesis.settings(
+            max_examples=max_examples, deadline=None, database=examples,
+            derandomize=seed is not None,
+            suppress_health_check=list(hypothesis.HealthCheck), phases=phases,
+        )
+        test = hypothesis.given(st.lists(step, max_size=max_steps))(one_schedule)
+        if seed is not None:
+            test = hypothesis.seed(seed)(test)
+        settings(test)()
     return runs
