@@ -57,6 +57,7 @@ from msgpatterns.runtime.lifecycle import State as _State
 from msgpatterns.runtime.options import duration as _options_duration
 from msgpatterns.runtime.options import topic_list
 from msgpatterns.runtime.rounds import Claimed as _Claimed
+from msgpatterns.runtime.rounds import Completions as _Completions
 from msgpatterns.runtime.rounds import Round as _Round
 from msgpatterns.runtime.settling import ThreadSettling
 from msgpatterns.runtime.stats import ConsumerStats, Reporter
@@ -191,6 +192,8 @@ class Consumer(DriverBase):
         self._plain_decide = type(retry).decide is RetryPolicy.decide if retry else True
         #: Recent seconds per run of a batch-claimed handler (sizes the batch claims).
         self._pace = 0.0
+        #: The claims of batch-claimed handlers that returned, being completed.
+        self._completions = _Completions()
         self.workers = workers
 
         self._threads: list[threading.Thread] = []
@@ -634,45 +637,85 @@ class Consumer(DriverBase):
                           extra=self._log_extra(entry.message))
 
     def _run_claimed(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
-        """Run one claimed message's handler; the batch's last finisher completes it."""
+        """Run one claimed message's handler and finish its claim as it ends: released
+        if it raised, completed (with the claims of the handlers that returned with it)
+        if it returned - never held for the rest of its round."""
         message = entry.message
+        if not guard.begin(entry):  # settled before it ran: its claim was released then
+            self._round_ended(batch)
+            return
         if message.acked:  # handed back or expired before it ran: free its key
-            guard.finish((), (entry,))
-            last = batch.add(None, None)
-        else:
-            listener = _obs.listener
-            scope = None if listener is None else self._start_scope(listener, message)
-            error: BaseException | None = None
-            started = time.perf_counter()
-            try:
-                entry.result = guard.handler(message)
-            except BaseException as exc:  # SystemExit & co fail the message, not the worker
-                error = exc
-            self._pace = 0.8 * self._pace + 0.2 * (time.perf_counter() - started)
-            if scope is not None:
-                _obs.report(scope.handler_returned, error)
-                _obs.report(scope.close)
-            if error is None and (message.acked or not message.auto_ack):
-                # Settled by the handler, or awaiting its explicit ack: its claim is
-                # finished when it is settled (ThreadSettling.on_claimed_settled).
-                message.delivery.finish(message, None)
-                last = batch.add(None, None)
-            else:
-                last = batch.add(entry, error)
-        if last:
-            self._finish_round(guard, batch)
-
-    def _finish_round(self, guard: BatchGuard, batch: _Round) -> None:
-        """Complete what returned (one round trip), release what raised (one), then
-        settle: the acks go out after DONE is written."""
+            self._finish_claim(guard, entry, returned=False)
+            self._round_ended(batch)
+            return
+        listener = _obs.listener
+        scope = None if listener is None else self._start_scope(listener, message)
+        error: BaseException | None = None
+        started = time.perf_counter()
         try:
-            guard.finish(batch.returned, [entry for entry, _ in batch.raised])
-        except Exception:  # a closed checker...: the effects happened; settle anyway
-            log.exception("%s: completing a batch of idempotency claims failed", self.name)
-        for entry, error in batch.raised:
-            entry.message.delivery.finish(entry.message, error)
-        self._settling.ack_all([entry.message for entry in batch.returned])
-        if batch.later:  # repeats of keys this batch held: duplicates now (or runs)
+            entry.result = guard.handler(message)
+        except BaseException as exc:  # SystemExit & co fail the message, not the worker
+            error = exc
+        self._pace = 0.8 * self._pace + 0.2 * (time.perf_counter() - started)
+        if scope is not None:
+            _obs.report(scope.handler_returned, error)
+            _obs.report(scope.close)
+        if error is None and message.auto_ack:
+            if self._completions.add(_Claimed(guard, batch, entry)):
+                self._complete_returned()
+            return  # its round is told once its claim is written
+        if error is None:  # awaiting its explicit ack: its claim is finished then
+            if guard.end(entry):  # ... or now, when that came during the run
+                self._finish_claim(guard, entry, returned=message.ack_error is None)
+        else:
+            self._finish_claim(guard, entry, returned=False)
+            message.delivery.finish(message, error)
+        self._round_ended(batch)
+
+    def _finish_claim(self, guard: BatchGuard, entry: Entry, *, returned: bool) -> None:
+        """Complete (``returned``) or release one message's claim (if still open)."""
+        try:
+            if returned:
+                guard.finish((entry,), ())
+            else:
+                guard.finish((), (entry,))
+        except Exception:  # a closed checker...: settle anyway
+            log.exception("%s: finishing the idempotency claim of %s failed", self.name,
+                          entry.message.id, extra=self._log_extra(entry.message))
+
+    def _complete_returned(self) -> None:
+        """The writer of :class:`Completions`: complete the claims of the handlers that
+        returned (one round trip for all queued), then ack their messages (DONE before
+        ack); again until none is queued. Then the rounds all of whose claims are
+        finished prepare the messages they held back."""
+        ended: list[_Round] = []
+        try:
+            while claimed := self._completions.take():
+                try:
+                    claimed[0].guard.finish([c.entry for c in claimed], ())
+                except Exception:  # a closed checker...: the effects happened; ack anyway
+                    log.exception("%s: completing %d idempotency claims failed",
+                                  self.name, len(claimed))
+                try:
+                    self._settling.ack_all([c.entry.message for c in claimed])
+                except Exception:  # the worker goes on writing what is queued
+                    log.exception("%s: acking %d messages failed", self.name,
+                                  len(claimed))
+                ended.extend(c.batch for c in claimed if c.batch.ended())
+        except BaseException:  # the process dies: what it took is not acked (the
+            self._completions.abandon()  # lease window); the next writer takes the rest
+            raise
+        for batch in ended:
+            self._round_later(batch)
+
+    def _round_ended(self, batch: _Round) -> None:
+        if batch.ended():
+            self._round_later(batch)
+
+    def _round_later(self, batch: _Round) -> None:
+        """Every claim of ``batch`` is finished: the repeats of keys it held are
+        duplicates now (or run, if the first copy failed)."""
+        if batch.later:
             self._claim_round([m for m in batch.later if not m.acked], batch.lanes)
 
     def _execute_batch(self, messages: list[Message]) -> None:
@@ -687,8 +730,10 @@ class Consumer(DriverBase):
         if guard is not None and live:
             runs, later = self._prepare(guard, live)
             entries = {entry.message: entry for entry in runs}
-            live = [m for m in entries if not m.acked]
+            live = self._begin_all(guard, runs)
         if not live:
+            if later:
+                self._run_batch([m for m in later if not m.acked])
             return
         listener = _obs.listener
         scopes = None if listener is None else [self._start_scope(listener, m) for m in live]
@@ -704,13 +749,17 @@ class Consumer(DriverBase):
             self._check_failures(failures, live)
         returned: list[Message] = []
         raised: list[tuple[Message, BaseException]] = []
+        explicit: list[Message] = []  # awaiting their explicit ack
         if error is None and not failures and scopes is None:
             # The common case: every message returned; those the handler settled or
             # will ack itself are left alone (finish would change nothing for them).
             if guard is None:  # nothing to complete first: ack_all leaves them alone
                 self._settling.ack_all(live)
                 return
-            returned = [m for m in live if m.delivery.auto_ack and not m.delivery.settled]
+            # A message settled during the run (its deadline, a stop) has its claim
+            # completed all the same: its handler returned (ack_all leaves it alone).
+            returned = [m for m in live if m.delivery.auto_ack]
+            explicit = [m for m in live if not m.delivery.auto_ack]
             live = []
         for index, message in enumerate(live):
             failed = failures.get(message, error)
@@ -719,14 +768,20 @@ class Consumer(DriverBase):
                 _obs.report(scope.handler_returned, failed)
             if failed is not None:
                 raised.append((message, failed))
-            elif message.auto_ack and not message.acked:
+            elif message.auto_ack:
                 returned.append(message)
-            else:  # settled by the handler, or awaiting its explicit ack
+            else:  # awaiting its explicit ack (or acked by the handler)
+                explicit.append(message)
                 message.delivery.finish(message, None)
         try:
             if guard is not None and entries:
                 guard.finish([entries[m] for m in returned if m in entries],
                              [entries[m] for m, _ in raised if m in entries])
+                for message in explicit:  # their claims are finished when acked
+                    entry = entries.get(message)
+                    if entry is not None and guard.end(entry):  # ... or now
+                        self._finish_claim(guard, entry,
+                                           returned=message.ack_error is None)
             for message, failed in raised:
                 message.delivery.finish(message, failed)
             self._settling.ack_all(returned)
@@ -737,6 +792,20 @@ class Consumer(DriverBase):
                         _obs.report(scope.close)
         if later:  # repeats of keys this batch held: duplicates now (or run)
             self._run_batch([m for m in later if not m.acked])
+
+    def _begin_all(self, guard: BatchGuard, runs: list[Entry]) -> list[Message]:
+        """The messages of ``runs`` the batch handler runs: each claim begun (from now
+        on its run finishes it); a message settled before (handed back, expired) has
+        its claim released and is left out."""
+        live = []
+        for entry in runs:
+            if not guard.begin(entry):
+                continue  # released when it was settled
+            if entry.message.acked:
+                self._finish_claim(guard, entry, returned=False)
+                continue
+            live.append(entry.message)
+        return live
 
     def _check_failures(self, failures: Mapping[Message, BaseException],
                         batch: list[Message]) -> None:
