@@ -192,8 +192,12 @@ class Consumer(DriverBase):
         self._plain_decide = type(retry).decide is RetryPolicy.decide if retry else True
         #: Recent seconds per run of a batch-claimed handler (sizes the batch claims).
         self._pace = 0.0
-        #: The claims of batch-claimed handlers that returned, being completed.
+        #: The claims of batch-claimed handlers that returned, completed by a writer
+        #: thread of their own while the workers run the next handlers.
         self._completions = _Completions()
+        self._to_write = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._writer_stop = False
         self.workers = workers
 
         self._threads: list[threading.Thread] = []
@@ -270,8 +274,14 @@ class Consumer(DriverBase):
                     )
                     for i in range(self.workers)
                 ]
+            if self._guard is not None and not self.batch:
+                self._writer_stop = False
+                self._writer = threading.Thread(target=self._write_claims,
+                                                name=f"{self.name}-claims", daemon=True)
         self._settling.deadlines = self._deadlines
         self._settling.plain_acks = self._gate is None and self._plain_decide
+        if self._writer is not None:
+            self._writer.start()
         for thread in self._threads:
             thread.start()
 
@@ -329,12 +339,18 @@ class Consumer(DriverBase):
             self._fetcher.wake()
             threads, self._threads = self._threads, []
             lanes, self._lanes = self._lanes, None
+            writer, self._writer = self._writer, None
         current = threading.current_thread()
         for thread in threads:
             if thread is not current:
                 thread.join()
         if lanes is not None:
             lanes.shutdown(wait=True)  # queued tasks of released messages run no handler
+        if writer is not None:  # no handler runs any more: it writes what is left, ends
+            self._writer_stop = True
+            self._to_write.set()
+            if writer is not current:
+                writer.join()
         self._wheel.stop()
         self._stop_requested.set()
         return not leftovers
@@ -608,7 +624,10 @@ class Consumer(DriverBase):
         handler run (here, or on its key's lane), one completion, then the acks."""
         self._claim_round(self._intake(messages), lanes)
 
-    def _claim_round(self, live: list[Message], lanes: OrderedExecutor | None) -> None:
+    def _claim_round(self, live: list[Message], lanes: OrderedExecutor | None, *,
+                     inline: bool = True) -> None:
+        """One claim round trip for ``live``, then their handlers: on their keys'
+        lanes, or on the workers (this one runs the first when ``inline``)."""
         guard = self._guard
         assert guard is not None
         runs, later = self._prepare(guard, live) if live else ([], [])
@@ -616,13 +635,15 @@ class Consumer(DriverBase):
             return
         batch = _Round(len(runs), later, lanes)
         if lanes is None:  # this worker runs the first; any worker takes the others
-            if len(runs) > 1:
+            shared = runs[1:] if inline else runs
+            if shared:
                 self._fetcher.ready.extendleft(_Claimed(guard, batch, entry)
-                                       for entry in reversed(runs[1:]))
-                if self.workers > 1:
+                                               for entry in reversed(shared))
+                if self.workers > 1 or not inline:
                     with self._fetcher.cond:
                         self._fetcher.wake()
-            self._run_claimed(guard, batch, runs[0])
+            if inline:
+                self._run_claimed(guard, batch, runs[0])
         else:
             for entry in runs:
                 lanes.submit(ordering_key(entry.message), self._run_claimed_on_lane, guard,
@@ -662,7 +683,7 @@ class Consumer(DriverBase):
             _obs.report(scope.close)
         if error is None and message.auto_ack:
             if self._completions.add(_Claimed(guard, batch, entry)):
-                self._complete_returned()
+                self._to_write.set()  # the writer thread was idle
             return  # its round is told once its claim is written
         if error is None:  # awaiting its explicit ack: its claim is finished then
             if guard.end(entry):  # ... or now, when that came during the run
@@ -683,11 +704,29 @@ class Consumer(DriverBase):
             log.exception("%s: finishing the idempotency claim of %s failed", self.name,
                           entry.message.id, extra=self._log_extra(entry.message))
 
+    def _write_claims(self) -> None:
+        """The writer thread of batch claims: whenever handlers returned, complete
+        their claims and ack their messages (:meth:`_complete_returned`) while the
+        workers go on with the next handlers - a finished message never waits for
+        another handler, and a worker never waits for the store to write its claim.
+        Ends after stop() joined the workers, once nothing is left to write."""
+        _own_thread.consumer = self
+        wake = self._to_write
+        while True:
+            wake.wait()
+            wake.clear()
+            try:
+                self._complete_returned()
+            except BaseException:  # the writer survives whatever happens
+                log.exception("%s: completing idempotency claims failed", self.name)
+            if self._writer_stop:
+                return
+
     def _complete_returned(self) -> None:
-        """The writer of :class:`Completions`: complete the claims of the handlers that
-        returned (one round trip for all queued), then ack their messages (DONE before
-        ack); again until none is queued. Then the rounds all of whose claims are
-        finished prepare the messages they held back."""
+        """Complete the claims of the handlers that returned (one round trip for all
+        queued: see :class:`Completions`), then ack their messages (DONE before ack);
+        again until none is queued. Then the rounds all of whose claims are finished
+        prepare the messages they held back (their handlers run on the workers)."""
         ended: list[_Round] = []
         try:
             while claimed := self._completions.take():
@@ -706,17 +745,19 @@ class Consumer(DriverBase):
             self._completions.abandon()  # lease window); the next writer takes the rest
             raise
         for batch in ended:
-            self._round_later(batch)
+            self._round_later(batch, inline=False)
 
     def _round_ended(self, batch: _Round) -> None:
         if batch.ended():
             self._round_later(batch)
 
-    def _round_later(self, batch: _Round) -> None:
+    def _round_later(self, batch: _Round, *, inline: bool = True) -> None:
         """Every claim of ``batch`` is finished: the repeats of keys it held are
-        duplicates now (or run, if the first copy failed)."""
+        duplicates now (or run, if the first copy failed); ``inline``: this worker
+        runs the first of them."""
         if batch.later:
-            self._claim_round([m for m in batch.later if not m.acked], batch.lanes)
+            self._claim_round([m for m in batch.later if not m.acked], batch.lanes,
+                              inline=inline)
 
     def _execute_batch(self, messages: list[Message]) -> None:
         """A batch handler on ``messages``: per message, the handler's outcome (its
