@@ -16,10 +16,13 @@ Guarantees:
 * In ordered mode a key's messages run one at a time in delivery order; a message
   being retried holds its key, so later messages of that key wait (other keys go on).
 * Batches: an ``@idempotent`` handler's messages are claimed many at a time (one
-  ``claim_many`` round trip per batch taken from the fetched messages) and completed
-  many at a time (one ``complete_many``), and their acks go out only after that
-  completion returned (DONE before ack). A batch handler (``batch=True``) receives a
-  list of messages and settles each message on its own (see :class:`Consumer`).
+  ``claim_many`` round trip per batch taken from the fetched messages); each claim is
+  completed as soon as its own handler returned - a writer thread completes those
+  that returned meanwhile in one ``complete_many`` while the workers run the next
+  handlers - and each ack goes out only after its completion returned (DONE before
+  ack). Neither the ack deadline nor a stop takes the claim of a handler that is still
+  running. A batch handler (``batch=True``) receives a list of messages and settles
+  each message on its own (see :class:`Consumer`).
 """
 
 from __future__ import annotations
@@ -123,8 +126,9 @@ class Consumer(DriverBase):
 
     An ``@idempotent`` handler (per-message or batch) on a lease checker (MemoryChecker,
     RedisChecker, SqlChecker) has its keys claimed per batch of messages in one store
-    round trip and completed in one, DONE written before the acks; duplicates and keys
-    in progress are settled without running it. On TransactionalSqlChecker each message
+    round trip, each completed as its handler returns (those that return together in
+    one), DONE written before the ack; duplicates and keys in progress are settled
+    without running it. On TransactionalSqlChecker each message
     keeps its own transaction (claim, writes and commit together), one at a time.
     Every argument is checked here: a wrong kind or value raises
     :class:`~msgpatterns.errors.ConfigurationError` naming it (``TypeError`` for an

@@ -26,10 +26,12 @@ Guarantees:
 * Ordered mode: a key's messages run one at a time in delivery order; a message being
   retried holds its key (its later messages wait; other keys go on).
 * Batch claims: an async ``@idempotent`` handler on a lease checker has the keys of a
-  batch of ready messages claimed in one store round trip and completed in one, DONE
-  written before the acks (:class:`~msgpatterns.idempotency.batch.BatchGuard`, shared
-  with the thread driver); duplicates and keys in progress are settled without
-  running it.
+  batch of ready messages claimed in one store round trip; each key is completed as
+  soon as its own handler returned (those returning meanwhile share one round trip),
+  DONE written before its ack (:class:`~msgpatterns.idempotency.batch.BatchGuard` and
+  :mod:`msgpatterns.runtime.rounds`, shared with the thread driver). Neither the ack
+  deadline nor a stop takes the claim of a handler still running; duplicates and keys
+  in progress are settled without running it.
 * ``await stop(timeout)``: no fetch starts; in-flight work may finish until
   ``timeout``; then every message still unsettled is handed back to the broker and the
   handler tasks still running are cancelled and awaited. When it returns no handler of
