@@ -759,7 +759,7 @@ class Consumer(DriverBase):
         """Every claim of ``batch`` is finished: the repeats of keys it held are
         duplicates now (or run, if the first copy failed); ``inline``: this worker
         runs the first of them."""
-        if batch.later:
+        if batch.later and self._state is not _State.STOPPED:  # else handed back
             self._claim_round([m for m in batch.later if not m.acked], batch.lanes,
                               inline=inline)
 
