@@ -719,6 +719,7 @@ class Consumer(DriverBase):
         while True:
             wake.wait()
             wake.clear()
+            time.sleep(0)  # let the workers run on: what returns meanwhile joins in
             try:
                 self._complete_returned()
             except BaseException:  # the writer survives whatever happens
