@@ -508,7 +508,7 @@ class Consumer(DriverBase):
     def _work_batches(self) -> None:
         """Worker loop when messages run in batches: a batch handler, or an
         @idempotent handler whose keys are claimed per batch (claimed messages are
-        shared out to every worker; the batch's last finisher completes it)."""
+        shared out to every worker; each claim is completed as its handler returns)."""
         _own_thread.consumer = self
         while True:
             item = self._fetcher.next()
@@ -625,7 +625,8 @@ class Consumer(DriverBase):
     def _execute_round(self, messages: list[Message],
                        lanes: OrderedExecutor | None = None) -> None:
         """An @idempotent per-message handler on a batch: one claim for all, each
-        handler run (here, or on its key's lane), one completion, then the acks."""
+        handler run (here, or on its key's lane), each claim completed as its handler
+        returns, then its ack."""
         self._claim_round(self._intake(messages), lanes)
 
     def _claim_round(self, live: list[Message], lanes: OrderedExecutor | None, *,
