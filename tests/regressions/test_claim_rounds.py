@@ -30,7 +30,8 @@ __all__ = ["driver"]  # the fixture
 
 pytestmark = pytest.mark.timeout(240)
 
-QUICK = RetryPolicy(max_attempts=20, backoff=Backoff.fixed(1.0), local_retries=0)
+#: InProgress retries while a slow copy runs count as attempts: never dead-letter on them.
+QUICK = RetryPolicy(max_attempts=10_000, backoff=Backoff.fixed(1.0), local_retries=0)
 
 
 @pytest.fixture(autouse=True)
@@ -120,9 +121,9 @@ def test_a_handler_that_outlives_its_ack_deadline_keeps_its_claim_until_it_retur
         effects.record(message.id)
 
     # Real time here (no virtual jumps): the redelivery comes after the 0.2 s backoff,
-    # InProgress retries after the rest of the 1 s lease.
+    # InProgress retries after the rest of the 3 s lease.
     retry = RetryPolicy(max_attempts=20, backoff=Backoff.fixed(0.2), local_retries=0)
-    with driver.checker(store, lease=1) as checker:
+    with driver.checker(store, lease=3) as checker:
         consumer = driver.consumer(broker, body, checker, workers=2, fetch_batch=3,
                                    max_in_flight=3, ack_timeout=0.2, retry=retry)
         consumer.start()
@@ -207,7 +208,7 @@ def test_a_batch_handler_that_outlives_its_ack_deadline_keeps_its_claims(
     effects = EffectLog()
     runs: list[int] = []
     retry = RetryPolicy(max_attempts=20, backoff=Backoff.fixed(0.2), local_retries=0)
-    with SyncDriver().checker(store, lease=1) as checker:
+    with SyncDriver().checker(store, lease=3) as checker:
 
         @idempotent(checker, group="claims.batch")
         def handle(messages: list[Message]) -> None:

@@ -117,7 +117,7 @@ def run(driver: Driver, schedule: Schedule, *, per_message: bool) -> Outcome:
     slow = "slow" in schedule.behaviours
     # A short lease: a copy told InProgress while another copy runs retries soon (in
     # real time while started by hand; run_until_idle jumps the broker's clock).
-    with driver.checker("memory", lease=2) as checker:
+    with driver.checker("memory", lease=5) as checker:
         consumer = driver.consumer(
             broker, body, checker, per_message=per_message, workers=schedule.workers,
             fetch_batch=schedule.fetch_batch, max_in_flight=8, retry=RETRY,
