@@ -363,3 +363,38 @@ def test_a_decorator_around_idempotent_runs_per_message() -> None:
     ids = publish(broker, 3)
     consume(broker, wrapped)
     assert calls == ids
+
+
+def test_stop_ends_the_thread_that_completes_the_claims() -> None:
+    """The claims of handlers that returned are completed on a thread of the
+    consumer's own; stop() (and so run_until_idle) ends it with the workers, after it
+    wrote what was left - and a restart starts a new one."""
+    from msgpatterns.idempotency import MemoryChecker
+
+    checker = MemoryChecker()
+    effects = EffectLog()
+
+    @idempotent(checker, group=GROUP)
+    def handle(message: Message) -> None:
+        effects.record(message.id)
+
+    broker = InMemoryBroker()
+    ids = publish(broker, 20)
+    consumer = Consumer(broker, handle, topics=["orders"], group="billing", workers=2,
+                        name="claims-writer-check")
+
+    def writers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith(consumer.name)]
+
+    consumer.run_until_idle(timeout=60)
+    assert writers() == []
+    more = publish(broker, 20, prefix="p")
+    consumer.start()
+    assert any(t.name == f"{consumer.name}-claims" for t in writers())
+    give_up = time.monotonic() + 30
+    while broker.pending and time.monotonic() < give_up:
+        time.sleep(0.005)
+    assert consumer.stop(30)
+    assert writers() == []
+    effects.assert_exactly_once([*ids, *more])
+    assert_all_acked(broker)
