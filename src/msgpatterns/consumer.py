@@ -16,10 +16,13 @@ Guarantees:
 * In ordered mode a key's messages run one at a time in delivery order; a message
   being retried holds its key, so later messages of that key wait (other keys go on).
 * Batches: an ``@idempotent`` handler's messages are claimed many at a time (one
-  ``claim_many`` round trip per batch taken from the fetched messages) and completed
-  many at a time (one ``complete_many``), and their acks go out only after that
-  completion returned (DONE before ack). A batch handler (``batch=True``) receives a
-  list of messages and settles each message on its own (see :class:`Consumer`).
+  ``claim_many`` round trip per batch taken from the fetched messages); each claim is
+  completed as soon as its own handler returned - a writer thread completes those
+  that returned meanwhile in one ``complete_many`` while the workers run the next
+  handlers - and each ack goes out only after its completion returned (DONE before
+  ack). Neither the ack deadline nor a stop takes the claim of a handler that is still
+  running. A batch handler (``batch=True``) receives a list of messages and settles
+  each message on its own (see :class:`Consumer`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from msgpatterns.runtime.lifecycle import State as _State
 from msgpatterns.runtime.options import duration as _options_duration
 from msgpatterns.runtime.options import topic_list
 from msgpatterns.runtime.rounds import Claimed as _Claimed
+from msgpatterns.runtime.rounds import Completions as _Completions
 from msgpatterns.runtime.rounds import Round as _Round
 from msgpatterns.runtime.settling import ThreadSettling
 from msgpatterns.runtime.stats import ConsumerStats, Reporter
@@ -123,8 +127,9 @@ class Consumer(DriverBase):
 
     An ``@idempotent`` handler (per-message or batch) on a lease checker (MemoryChecker,
     RedisChecker, SqlChecker) has its keys claimed per batch of messages in one store
-    round trip and completed in one, DONE written before the acks; duplicates and keys
-    in progress are settled without running it. On TransactionalSqlChecker each message
+    round trip, each completed as its handler returns (those that return together in
+    one), DONE written before the ack; duplicates and keys in progress are settled
+    without running it. On TransactionalSqlChecker each message
     keeps its own transaction (claim, writes and commit together), one at a time.
     Every argument is checked here: a wrong kind or value raises
     :class:`~msgpatterns.errors.ConfigurationError` naming it (``TypeError`` for an
@@ -192,6 +197,12 @@ class Consumer(DriverBase):
         self._plain_decide = type(retry).decide is RetryPolicy.decide if retry else True
         #: Recent seconds per run of a batch-claimed handler (sizes the batch claims).
         self._pace = 0.0
+        #: The claims of batch-claimed handlers that returned, completed by a writer
+        #: thread of their own while the workers run the next handlers.
+        self._completions = _Completions()
+        self._to_write = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._writer_stop = False
         self.workers = workers
 
         self._threads: list[threading.Thread] = []
@@ -268,8 +279,14 @@ class Consumer(DriverBase):
                     )
                     for i in range(self.workers)
                 ]
+            if self._guard is not None and not self.batch:
+                self._writer_stop = False
+                self._writer = threading.Thread(target=self._write_claims,
+                                                name=f"{self.name}-claims", daemon=True)
         self._settling.deadlines = self._deadlines
         self._settling.plain_acks = self._gate is None and self._plain_decide
+        if self._writer is not None:
+            self._writer.start()
         for thread in self._threads:
             thread.start()
 
@@ -327,12 +344,18 @@ class Consumer(DriverBase):
             self._fetcher.wake()
             threads, self._threads = self._threads, []
             lanes, self._lanes = self._lanes, None
+            writer, self._writer = self._writer, None
         current = threading.current_thread()
         for thread in threads:
             if thread is not current:
                 thread.join()
         if lanes is not None:
             lanes.shutdown(wait=True)  # queued tasks of released messages run no handler
+        if writer is not None:  # no handler runs any more: it writes what is left, ends
+            self._writer_stop = True
+            self._to_write.set()
+            if writer is not current:
+                writer.join()
         self._wheel.stop()
         self._stop_requested.set()
         return not leftovers
@@ -486,7 +509,7 @@ class Consumer(DriverBase):
     def _work_batches(self) -> None:
         """Worker loop when messages run in batches: a batch handler, or an
         @idempotent handler whose keys are claimed per batch (claimed messages are
-        shared out to every worker; the batch's last finisher completes it)."""
+        shared out to every worker; each claim is completed as its handler returns)."""
         _own_thread.consumer = self
         while True:
             item = self._fetcher.next()
@@ -603,10 +626,14 @@ class Consumer(DriverBase):
     def _execute_round(self, messages: list[Message],
                        lanes: OrderedExecutor | None = None) -> None:
         """An @idempotent per-message handler on a batch: one claim for all, each
-        handler run (here, or on its key's lane), one completion, then the acks."""
+        handler run (here, or on its key's lane), each claim completed as its handler
+        returns, then its ack."""
         self._claim_round(self._intake(messages), lanes)
 
-    def _claim_round(self, live: list[Message], lanes: OrderedExecutor | None) -> None:
+    def _claim_round(self, live: list[Message], lanes: OrderedExecutor | None, *,
+                     inline: bool = True) -> None:
+        """One claim round trip for ``live``, then their handlers: on their keys'
+        lanes, or on the workers (this one runs the first when ``inline``)."""
         guard = self._guard
         assert guard is not None
         runs, later = self._prepare(guard, live) if live else ([], [])
@@ -614,13 +641,15 @@ class Consumer(DriverBase):
             return
         batch = _Round(len(runs), later, lanes)
         if lanes is None:  # this worker runs the first; any worker takes the others
-            if len(runs) > 1:
+            shared = runs[1:] if inline else runs
+            if shared:
                 self._fetcher.ready.extendleft(_Claimed(guard, batch, entry)
-                                       for entry in reversed(runs[1:]))
-                if self.workers > 1:
+                                               for entry in reversed(shared))
+                if self.workers > 1 or not inline:
                     with self._fetcher.cond:
                         self._fetcher.wake()
-            self._run_claimed(guard, batch, runs[0])
+            if inline:
+                self._run_claimed(guard, batch, runs[0])
         else:
             for entry in runs:
                 lanes.submit(ordering_key(entry.message), self._run_claimed_on_lane, guard,
@@ -635,46 +664,107 @@ class Consumer(DriverBase):
                           escape_control(entry.message.id), extra=self._log_extra(entry.message))
 
     def _run_claimed(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
-        """Run one claimed message's handler; the batch's last finisher completes it."""
+        """Run one claimed message's handler and finish its claim as it ends: released
+        if it raised, completed (with the claims of the handlers that returned with it)
+        if it returned - never held for the rest of its round."""
         message = entry.message
+        if not guard.begin(entry):  # settled before it ran: its claim was released then
+            self._round_ended(batch)
+            return
         if message.acked:  # handed back or expired before it ran: free its key
-            guard.finish((), (entry,))
-            last = batch.add(None, None)
-        else:
-            listener = _obs.listener
-            scope = None if listener is None else self._start_scope(listener, message)
-            error: BaseException | None = None
-            started = time.perf_counter()
-            try:
-                entry.result = guard.handler(message)
-            except BaseException as exc:  # SystemExit & co fail the message, not the worker
-                error = exc
-            self._pace = 0.8 * self._pace + 0.2 * (time.perf_counter() - started)
-            if scope is not None:
-                _obs.report(scope.handler_returned, error)
-                _obs.report(scope.close)
-            if error is None and (message.acked or not message.auto_ack):
-                # Settled by the handler, or awaiting its explicit ack: its claim is
-                # finished when it is settled (ThreadSettling.on_claimed_settled).
-                message.delivery.finish(message, None)
-                last = batch.add(None, None)
-            else:
-                last = batch.add(entry, error)
-        if last:
-            self._finish_round(guard, batch)
-
-    def _finish_round(self, guard: BatchGuard, batch: _Round) -> None:
-        """Complete what returned (one round trip), release what raised (one), then
-        settle: the acks go out after DONE is written."""
+            self._finish_claim(guard, entry, returned=False)
+            self._round_ended(batch)
+            return
+        listener = _obs.listener
+        scope = None if listener is None else self._start_scope(listener, message)
+        error: BaseException | None = None
+        started = time.perf_counter()
         try:
-            guard.finish(batch.returned, [entry for entry, _ in batch.raised])
-        except Exception:  # a closed checker...: the effects happened; settle anyway
-            log.exception("%s: completing a batch of idempotency claims failed", self.name)
-        for entry, error in batch.raised:
-            entry.message.delivery.finish(entry.message, error)
-        self._settling.ack_all([entry.message for entry in batch.returned])
-        if batch.later:  # repeats of keys this batch held: duplicates now (or runs)
-            self._claim_round([m for m in batch.later if not m.acked], batch.lanes)
+            entry.result = guard.handler(message)
+        except BaseException as exc:  # SystemExit & co fail the message, not the worker
+            error = exc
+        self._pace = 0.8 * self._pace + 0.2 * (time.perf_counter() - started)
+        if scope is not None:
+            _obs.report(scope.handler_returned, error)
+            _obs.report(scope.close)
+        if error is None and message.auto_ack:
+            if self._completions.add(_Claimed(guard, batch, entry)):
+                self._to_write.set()  # the writer thread was idle
+            return  # its round is told once its claim is written
+        if error is None:  # awaiting its explicit ack: its claim is finished then
+            if guard.end(entry):  # ... or now, when that came during the run
+                self._finish_claim(guard, entry, returned=message.ack_error is None)
+        else:
+            self._finish_claim(guard, entry, returned=False)
+            message.delivery.finish(message, error)
+        self._round_ended(batch)
+
+    def _finish_claim(self, guard: BatchGuard, entry: Entry, *, returned: bool) -> None:
+        """Complete (``returned``) or release one message's claim (if still open)."""
+        try:
+            if returned:
+                guard.finish((entry,), ())
+            else:
+                guard.finish((), (entry,))
+        except Exception:  # a closed checker...: settle anyway
+            log.exception("%s: finishing the idempotency claim of %s failed", self.name,
+                          entry.message.id, extra=self._log_extra(entry.message))
+
+    def _write_claims(self) -> None:
+        """The writer thread of batch claims: whenever handlers returned, complete
+        their claims and ack their messages (:meth:`_complete_returned`) while the
+        workers go on with the next handlers - a finished message never waits for
+        another handler, and a worker never waits for the store to write its claim.
+        Ends after stop() joined the workers, once nothing is left to write."""
+        _own_thread.consumer = self
+        wake = self._to_write
+        while True:
+            wake.wait()
+            wake.clear()
+            time.sleep(0)  # let the workers run on: what returns meanwhile joins in
+            try:
+                self._complete_returned()
+            except BaseException:  # the writer survives whatever happens
+                log.exception("%s: completing idempotency claims failed", self.name)
+            if self._writer_stop:
+                return
+
+    def _complete_returned(self) -> None:
+        """Complete the claims of the handlers that returned (one round trip for all
+        queued: see :class:`Completions`), then ack their messages (DONE before ack);
+        again until none is queued. Then the rounds all of whose claims are finished
+        prepare the messages they held back (their handlers run on the workers)."""
+        ended: list[_Round] = []
+        try:
+            while claimed := self._completions.take():
+                try:
+                    claimed[0].guard.finish([c.entry for c in claimed], ())
+                except Exception:  # a closed checker...: the effects happened; ack anyway
+                    log.exception("%s: completing %d idempotency claims failed",
+                                  self.name, len(claimed))
+                try:
+                    self._settling.ack_all([c.entry.message for c in claimed])
+                except Exception:  # the worker goes on writing what is queued
+                    log.exception("%s: acking %d messages failed", self.name,
+                                  len(claimed))
+                ended.extend(c.batch for c in claimed if c.batch.ended())
+        except BaseException:  # the process dies: what it took is not acked (the
+            self._completions.abandon()  # lease window); the next writer takes the rest
+            raise
+        for batch in ended:
+            self._round_later(batch, inline=False)
+
+    def _round_ended(self, batch: _Round) -> None:
+        if batch.ended():
+            self._round_later(batch)
+
+    def _round_later(self, batch: _Round, *, inline: bool = True) -> None:
+        """Every claim of ``batch`` is finished: the repeats of keys it held are
+        duplicates now (or run, if the first copy failed); ``inline``: this worker
+        runs the first of them."""
+        if batch.later and self._state is not _State.STOPPED:  # else handed back
+            self._claim_round([m for m in batch.later if not m.acked], batch.lanes,
+                              inline=inline)
 
     def _execute_batch(self, messages: list[Message]) -> None:
         """A batch handler on ``messages``: per message, the handler's outcome (its
@@ -688,8 +778,10 @@ class Consumer(DriverBase):
         if guard is not None and live:
             runs, later = self._prepare(guard, live)
             entries = {entry.message: entry for entry in runs}
-            live = [m for m in entries if not m.acked]
+            live = self._begin_all(guard, runs)
         if not live:
+            if later:
+                self._run_batch([m for m in later if not m.acked])
             return
         listener = _obs.listener
         scopes = None if listener is None else [self._start_scope(listener, m) for m in live]
@@ -705,13 +797,17 @@ class Consumer(DriverBase):
             self._check_failures(failures, live)
         returned: list[Message] = []
         raised: list[tuple[Message, BaseException]] = []
+        explicit: list[Message] = []  # awaiting their explicit ack
         if error is None and not failures and scopes is None:
             # The common case: every message returned; those the handler settled or
             # will ack itself are left alone (finish would change nothing for them).
             if guard is None:  # nothing to complete first: ack_all leaves them alone
                 self._settling.ack_all(live)
                 return
-            returned = [m for m in live if m.delivery.auto_ack and not m.delivery.settled]
+            # A message settled during the run (its deadline, a stop) has its claim
+            # completed all the same: its handler returned (ack_all leaves it alone).
+            returned = [m for m in live if m.delivery.auto_ack]
+            explicit = [m for m in live if not m.delivery.auto_ack]
             live = []
         for index, message in enumerate(live):
             failed = failures.get(message, error)
@@ -720,14 +816,20 @@ class Consumer(DriverBase):
                 _obs.report(scope.handler_returned, failed)
             if failed is not None:
                 raised.append((message, failed))
-            elif message.auto_ack and not message.acked:
+            elif message.auto_ack:
                 returned.append(message)
-            else:  # settled by the handler, or awaiting its explicit ack
+            else:  # awaiting its explicit ack (or acked by the handler)
+                explicit.append(message)
                 message.delivery.finish(message, None)
         try:
             if guard is not None and entries:
                 guard.finish([entries[m] for m in returned if m in entries],
                              [entries[m] for m, _ in raised if m in entries])
+                for message in explicit:  # their claims are finished when acked
+                    entry = entries.get(message)
+                    if entry is not None and guard.end(entry):  # ... or now
+                        self._finish_claim(guard, entry,
+                                           returned=message.ack_error is None)
             for message, failed in raised:
                 message.delivery.finish(message, failed)
             self._settling.ack_all(returned)
@@ -738,6 +840,20 @@ class Consumer(DriverBase):
                         _obs.report(scope.close)
         if later:  # repeats of keys this batch held: duplicates now (or run)
             self._run_batch([m for m in later if not m.acked])
+
+    def _begin_all(self, guard: BatchGuard, runs: list[Entry]) -> list[Message]:
+        """The messages of ``runs`` the batch handler runs: each claim begun (from now
+        on its run finishes it); a message settled before (handed back, expired) has
+        its claim released and is left out."""
+        live = []
+        for entry in runs:
+            if not guard.begin(entry):
+                continue  # released when it was settled
+            if entry.message.acked:
+                self._finish_claim(guard, entry, returned=False)
+                continue
+            live.append(entry.message)
+        return live
 
     def _check_failures(self, failures: Mapping[Message, BaseException],
                         batch: list[Message]) -> None:

@@ -26,10 +26,12 @@ Guarantees:
 * Ordered mode: a key's messages run one at a time in delivery order; a message being
   retried holds its key (its later messages wait; other keys go on).
 * Batch claims: an async ``@idempotent`` handler on a lease checker has the keys of a
-  batch of ready messages claimed in one store round trip and completed in one, DONE
-  written before the acks (:class:`~msgpatterns.idempotency.batch.BatchGuard`, shared
-  with the thread driver); duplicates and keys in progress are settled without
-  running it.
+  batch of ready messages claimed in one store round trip; each key is completed as
+  soon as its own handler returned (those returning meanwhile share one round trip),
+  DONE written before its ack (:class:`~msgpatterns.idempotency.batch.BatchGuard` and
+  :mod:`msgpatterns.runtime.rounds`, shared with the thread driver). Neither the ack
+  deadline nor a stop takes the claim of a handler still running; duplicates and keys
+  in progress are settled without running it.
 * ``await stop(timeout)``: no fetch starts; in-flight work may finish until
   ``timeout``; then every message still unsettled is handed back to the broker and the
   handler tasks still running are cancelled and awaited. When it returns no handler of
@@ -70,7 +72,7 @@ from msgpatterns.runtime.driver import DriverBase, ack_deadline_passed
 from msgpatterns.runtime.gate import KeyGate
 from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
-from msgpatterns.runtime.rounds import Claimed, Round
+from msgpatterns.runtime.rounds import Claimed, Completions, Round
 from msgpatterns.runtime.stats import ConsumerStats, Reporter
 
 __all__ = ["AsyncConsumer", "AsyncHandler"]
@@ -157,6 +159,8 @@ class AsyncConsumer(DriverBase):
         self._guard: BatchGuard | None = guard_of(handler)
         #: A RetryPolicy whose decide() is overridden sees every success too.
         self._plain_decide = type(self.retry).decide is RetryPolicy.decide
+        #: The claims of batch-claimed handlers that returned, being completed.
+        self._completions = Completions()
         #: Fewest free slots for which a worker fetches itself (see _top_up).
         self._top_up_min = max(1, min(fetch_batch, max_in_flight) // 4)
 
@@ -622,44 +626,104 @@ class AsyncConsumer(DriverBase):
 
     async def _run_claimed(self, guard: BatchGuard, batch: Round, entry: Entry,
                            me: asyncio.Task[Any]) -> None:
-        """Run one claimed message's handler; the round's last finisher completes it."""
+        """Run one claimed message's handler and finish its claim as it ends: released
+        if it raised (or was cancelled by stop()), completed (with the claims of the
+        handlers that returned with it) if it returned - never held for the rest of its
+        round."""
         message = entry.message
-        if message.acked:  # handed back or expired before it ran: its claim is released
-            last = batch.add(None, None)
+        if not guard.begin(entry):  # settled before it ran: its claim was released then
+            await self._round_ended(guard, batch, me)
+            return
+        if message.acked:  # handed back or expired before it ran: free its key
+            await self._finish_claim(guard, entry, me, returned=False)
+            await self._round_ended(guard, batch, me)
+            return
+        error: BaseException | None = None
+        try:
+            entry.result = await guard.handler(message)
+        except asyncio.CancelledError as exc:
+            if self._flow.state is State.STOPPED:
+                # stop() cancelled it (its message was handed back): its key is free
+                await self._finish_claim(guard, entry, me, returned=False)
+                raise
+            error = exc
+        except BaseException as exc:  # SystemExit & co fail the message, not the loop
+            error = exc
+        if error is None and message.auto_ack:
+            if self._completions.add(Claimed(guard, batch, entry)):
+                await self._complete_returned(me)
+            return  # its round is told once its claim is written
+        if error is None:  # awaiting its explicit ack: its claim is finished then
+            if guard.end(entry):  # ... or now, when that came during the run
+                await self._finish_claim(guard, entry, me,
+                                         returned=message.ack_error is None)
         else:
-            error: BaseException | None = None
-            try:
-                entry.result = await guard.handler(message)
-            except asyncio.CancelledError as exc:
-                if self._flow.state is State.STOPPED:
-                    raise  # stop() cancelled it; its message was handed back
-                error = exc
-            except BaseException as exc:  # SystemExit & co fail the message, not the loop
-                error = exc
-            if error is None and (message.acked or not message.auto_ack):
-                # Settled by the handler, or awaiting its explicit ack: its claim is
-                # finished when it is settled (AsyncSettling.on_claimed_settled).
-                last = batch.add(None, None)
-            else:
-                last = batch.add(entry, error)
-        if last:
-            await self._finish_round(guard, batch, me)
+            await self._finish_claim(guard, entry, me, returned=False)
+            message.delivery.bind(self._settling.on_settled)  # nothing left to finish
+            outcome = self._settling.finish(message, error)
+            if outcome is not None:
+                self._finishing.add(me)
+                try:
+                    await self._settling.settle(message, outcome[0])
+                finally:
+                    self._finishing.discard(me)
+        await self._round_ended(guard, batch, me)
 
-    async def _finish_round(self, guard: BatchGuard, batch: Round,
-                            me: asyncio.Task[Any]) -> None:
-        """Complete what returned (one round trip), release what raised (one), then
-        settle: the acks go out after DONE is written."""
+    async def _finish_claim(self, guard: BatchGuard, entry: Entry, me: asyncio.Task[Any],
+                            *, returned: bool) -> None:
+        """Complete (``returned``) or release one message's claim (if still open); not
+        cancelled by stop() once begun."""
         self._finishing.add(me)
         try:
-            try:
-                await guard.afinish(batch.returned, [entry for entry, _ in batch.raised])
-            except Exception:  # a closed checker...: the effects happened; settle anyway
-                log.exception("%s: completing a batch of idempotency claims failed",
-                              self.name)
-            for entry, error in batch.raised:
-                entry.message.delivery.finish(entry.message, error)
-            await self._settling.ack_all([entry.message for entry in batch.returned])
+            if returned:
+                await guard.afinish((entry,), ())
+            else:
+                await guard.afinish((), (entry,))
+        except Exception:  # a closed checker...: settle anyway
+            log.exception("%s: finishing the idempotency claim of %s failed", self.name,
+                          entry.message.id, extra=self._settler.extra(entry.message))
         finally:
             self._finishing.discard(me)
-        if batch.later:  # repeats of keys this round held: duplicates now (or runs)
+
+    async def _complete_returned(self, me: asyncio.Task[Any]) -> None:
+        """The writer of :class:`~msgpatterns.runtime.rounds.Completions`: complete the
+        claims of the handlers that returned (one round trip for all queued: those that
+        returned in this turn of the loop, or during the last round trip), then ack
+        their messages (DONE before ack); again until none is queued. Then the rounds
+        all of whose claims are finished prepare the messages they held back."""
+        ended: list[Claimed] = []
+        self._finishing.add(me)  # a completion under way is not cancelled by stop()
+        try:
+            await asyncio.sleep(0)  # the handlers returning in this turn join in
+            while claimed := self._completions.take():
+                try:
+                    await claimed[0].guard.afinish([c.entry for c in claimed], ())
+                except Exception:  # a closed checker...: the effects happened; ack anyway
+                    log.exception("%s: completing %d idempotency claims failed",
+                                  self.name, len(claimed))
+                try:
+                    await self._settling.ack_all([c.entry.message for c in claimed])
+                except Exception:  # the worker goes on writing what is queued
+                    log.exception("%s: acking %d messages failed", self.name,
+                                  len(claimed))
+                ended.extend(c for c in claimed if c.batch.ended())
+        except BaseException:  # the process dies: what it took is not acked (the
+            self._completions.abandon()  # lease window); the next writer takes the rest
+            raise
+        finally:
+            self._finishing.discard(me)
+        for last in ended:
+            await self._round_later(last.guard, last.batch, me)
+
+    async def _round_ended(self, guard: BatchGuard, batch: Round,
+                           me: asyncio.Task[Any]) -> None:
+        if batch.ended():
+            await self._round_later(guard, batch, me)
+
+    async def _round_later(self, guard: BatchGuard, batch: Round,
+                           me: asyncio.Task[Any]) -> None:
+        """Every claim of ``batch`` is finished: the repeats of keys it held are
+        duplicates now (or run, if the first copy failed)."""
+        if batch.later:
             await self._claim_round(guard, [m for m in batch.later if not m.acked], me)
+

@@ -1,6 +1,6 @@
-"""Batch-aware idempotency: the keys of many messages claimed in one store round trip
-and completed in one, for a runtime that runs several messages of one ``@idempotent``
-handler at once (the :class:`~msgpatterns.Consumer`).
+"""Batch-aware idempotency: the keys of many messages claimed in one store round trip,
+for a runtime that runs several messages of one ``@idempotent`` handler at once (the
+:class:`~msgpatterns.Consumer`, the :class:`~msgpatterns.aio.AsyncConsumer`).
 
 The runtime asks :func:`guard_of` whether its handler is ``@idempotent`` (through the
 attribute the decorator sets, never by name), then per batch:
@@ -10,21 +10,30 @@ attribute the decorator sets, never by name), then per batch:
    settle without running it - a duplicate (DONE) as a success, a key held by a live
    owner with :class:`~msgpatterns.errors.InProgress`, a fingerprint conflict, a
    missing key, an unreachable store (rule 6) with their errors;
-2. the runtime runs the handlers;
-3. :meth:`BatchGuard.finish` - one ``complete_many`` round trip for the handlers that
-   returned, one ``release_many`` for those that raised. The runtime acknowledges the
-   messages only after it returned: DONE is written before the acks go out.
+2. the runtime runs the handlers, each between :meth:`BatchGuard.begin` and the end of
+   its run;
+3. :meth:`BatchGuard.finish` as each handler ends - rule 2 (``complete_many``) for
+   those that returned, rule 3 (``release_many``) for those that raised; handlers that
+   end together may share one round trip, but none waits for another. The runtime
+   acknowledges a message only after its completion returned: DONE is written before
+   the ack.
 
 Every decision is one of the six rules, taken by the guard
-(:mod:`msgpatterns.idempotency.guard`); data flows one way (the runtime calls down into this module,
-nothing here calls back up). An entry is finished once: :meth:`BatchGuard.take` is
-atomic, so a message settled on another thread (an explicit ``ack``, its ack deadline,
-``stop()``) and its batch's :meth:`~BatchGuard.finish` never both write its claim.
+(:mod:`msgpatterns.idempotency.guard`); data flows one way (the runtime calls down into
+this module, nothing here calls back up). An entry is finished once: :meth:`BatchGuard.take`
+is atomic, so a message settled on another thread (an explicit ``ack``, its ack
+deadline, ``stop()``) and its run never both write its claim. Such a settlement
+(:meth:`BatchGuard.settled`) completes the claim on a success and releases it on a
+failure - except that the ack deadline or a stop never takes the claim from a handler
+that is running: it stays with that run (completed if it returns, released if it
+raises), so no other delivery of the key runs while it still runs, and a handler that
+returned has its claim completed whatever happened to its message meanwhile.
 
-Failure window (lease checkers): a crash after a handler's effect and before the
-batch's ``complete_many`` leaves that batch's keys PROCESSING; each frees itself when
-its lease (counted from the batch's claim) expires, and the redelivered messages run
-again (at-least-once), exactly as for one message - the window is the batch's run.
+Failure window (lease checkers): a crash after a handler's effect and before its
+``complete_many`` returned leaves its key PROCESSING; it frees itself when its lease
+(counted from the batch's claim) expires, and the redelivered message runs again
+(at-least-once), exactly as for one message - the window is the message's own run and
+its completion, never its batch's.
 """
 
 from __future__ import annotations
@@ -71,7 +80,9 @@ class Entry:
     ``claim``: the
     owned claim to complete or release (None when there is nothing to write: not run,
     or run without dedup by ``fail_open``). ``result``: what the handler returned
-    (kept with the DONE mark under ``store_result``)."""
+    (kept with the DONE mark under ``store_result``). ``open``: the claim is not
+    finished yet. ``running``: its handler is running (between :meth:`BatchGuard.begin`
+    and the end of its run)."""
 
     message: Message
     run: bool
@@ -80,6 +91,7 @@ class Entry:
     result: Any = NO_RESULT
     open: bool = False
     later: bool = False
+    running: bool = False
 
 
 class BatchGuard:
@@ -193,6 +205,55 @@ class BatchGuard:
             if refusal is not None:
                 entry.run, entry.error = False, refusal
 
+    def begin(self, entry: Entry) -> bool:
+        """``entry``'s handler is about to run: True, and from now on its ack deadline
+        or a stop no longer finishes the claim (its run does); False when the claim was
+        finished already (its message was settled before it ran: do not run it)."""
+        with self._lock:
+            if not entry.open:
+                return False
+            entry.running = True
+            return True
+
+    def end(self, entry: Entry) -> bool:
+        """``entry``'s handler returned and its message awaits an explicit ack: from
+        now on its settlement finishes the claim. True when that settlement came during
+        the run: finish the claim now (:meth:`settled` with the delivery's error)."""
+        with self._lock:
+            entry.running = False
+        return entry.message.delivery.settled
+
+    def settled(self, entry: Entry, error: BaseException | None, *,
+                expired: bool = False) -> None:
+        """``entry``'s message was settled outside its run: a success (an explicit ack)
+        completes the claim; a failure (an explicit ``ack(error)``) releases it. An
+        ``expired`` settlement (its ack deadline, a stop: not the handler's word)
+        releases it only when its handler is not running - a running handler's claim
+        stays with that run, which finishes it when it ends. Once per entry; never
+        raises for a store failure (logged: see the module's failure window)."""
+        if self._take_settled(entry, error, expired):
+            done, failed = self._claims_of(*_split(entry, error))
+            if done:
+                self.checker.complete_ran(done)
+            if failed:
+                self.checker.release_failed(failed)
+
+    async def asettled(self, entry: Entry, error: BaseException | None, *,
+                       expired: bool = False) -> None:
+        """:meth:`settled` for an ``async def`` handler, the round trip awaited."""
+        if self._take_settled(entry, error, expired):
+            done, failed = self._claims_of(*_split(entry, error))
+            await _acomplete(self.checker, done)
+            await _arelease(self.checker, failed)
+
+    def _take_settled(self, entry: Entry, error: BaseException | None,
+                      expired: bool) -> bool:
+        with self._lock:
+            if not entry.open or (expired and entry.running):
+                return False
+            entry.open = False
+            return True
+
     def take(self, entries: Sequence[Entry]) -> list[Entry]:
         """The entries whose claim is still open, now closed (atomic: each entry is
         taken once, whichever thread asks first)."""
@@ -220,8 +281,13 @@ class BatchGuard:
     def _to_finish(self, returned: Sequence[Entry],
                    raised: Sequence[Entry]) -> tuple[list[Claim], list[Claim]]:
         """The claims to complete (with their results) and to release, taken."""
-        done = [entry.claim for entry in self.take(returned) if entry.claim is not None]
-        failed = [entry.claim for entry in self.take(raised) if entry.claim is not None]
+        return self._claims_of(self.take(returned), self.take(raised))
+
+    def _claims_of(self, returned: Sequence[Entry],
+                   raised: Sequence[Entry]) -> tuple[list[Claim], list[Claim]]:
+        """The claims of taken entries: to complete (with their results), to release."""
+        done = [entry.claim for entry in returned if entry.claim is not None]
+        failed = [entry.claim for entry in raised if entry.claim is not None]
         if done and self.store_result:
             results = {id(entry.claim): entry.result for entry in returned}
             done = [with_result(claim, results.get(id(claim)), self.checker.stats,
@@ -263,6 +329,11 @@ def guard_of(handler: object, *, batch: bool = False) -> BatchGuard | None:
     if batch:
         raise ConfigurationError(f"batch handler {guard.group}: {problem}")
     return None
+
+
+def _split(entry: Entry, error: BaseException | None) -> tuple[list[Entry], list[Entry]]:
+    """(returned, raised) for one entry settled with ``error``."""
+    return ([entry], []) if error is None else ([], [entry])
 
 
 @dataclass(slots=True)

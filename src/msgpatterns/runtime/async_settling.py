@@ -30,6 +30,7 @@ from msgpatterns.idempotency.batch import BatchGuard, Entry
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.runtime.async_flow import AsyncFlow
+from msgpatterns.runtime.rounds import expired
 from msgpatterns.runtime.settler import Settled, Settler, run_async
 from msgpatterns.runtime.stats import Reporter
 
@@ -82,10 +83,11 @@ class AsyncSettling:
 
     def on_claimed_settled(self, guard: BatchGuard, entry: Entry, message: Message,
                            error: BaseException | None) -> None:
-        """The sink of a batch-claimed delivery: settled outside its round's finish (an
-        explicit ack, its deadline, a stop, a failure the round reports), its claim is
-        completed (success) or released (failure) first, then it is settled - in a
-        task of its own."""
+        """The sink of a batch-claimed delivery settled outside its run (an explicit
+        ack, its deadline, a stop): its claim is finished first - completed on a
+        success, released on a failure, except that its deadline or a stop leaves the
+        claim of a handler still running to that run (:meth:`BatchGuard.asettled`) -
+        then it is settled, in a task of its own."""
         claimed = partial(self._settle_claimed, guard, entry)
         if threading.get_ident() != self._loop_thread:
             self._from_thread(self._track, claimed, message, error)
@@ -187,10 +189,7 @@ class AsyncSettling:
                               error: BaseException | None) -> None:
         if entry.open:
             try:
-                if error is None:
-                    await guard.afinish((entry,), ())
-                else:
-                    await guard.afinish((), (entry,))
+                await guard.asettled(entry, error, expired=expired(error))
             except Exception:
                 self.log.exception("%s: finishing the idempotency claim of %s failed",
                                    self.settler.name, escape_control(message.id),

@@ -26,6 +26,7 @@ from msgpatterns.idempotency.batch import BatchGuard, Entry
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.runtime.fetcher import Fetcher
+from msgpatterns.runtime.rounds import expired
 from msgpatterns.runtime.settler import Settled, Settler, run_sync
 from msgpatterns.runtime.stats import Reporter
 
@@ -77,15 +78,14 @@ class ThreadSettling:
 
     def on_claimed_settled(self, guard: BatchGuard, entry: Entry, message: Message,
                            error: BaseException | None) -> None:
-        """A batch-claimed message was settled outside its round's finish (an explicit
-        ack, its deadline, a stop): complete (success) or release (failure) its claim
-        first, then settle it as usual."""
+        """The sink of a batch-claimed delivery: whoever settles it (its run, an
+        explicit ack, its deadline, a stop), its claim is finished first - completed on
+        a success, released on a failure, except that its deadline or a stop leaves
+        the claim of a handler still running to that run (:meth:`BatchGuard.settled`)
+        - then it is settled as usual."""
         if entry.open:
             try:
-                if error is None:
-                    guard.finish((entry,), ())
-                else:
-                    guard.finish((), (entry,))
+                guard.settled(entry, error, expired=expired(error))
             except Exception:
                 self.log.exception("%s: finishing the idempotency claim of %s failed",
                                    self.settler.name, escape_control(message.id),
