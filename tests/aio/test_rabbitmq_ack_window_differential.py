@@ -3,10 +3,12 @@
 (``ack_window=False``: one ``basic_ack`` per delivery), on the real RabbitMQ.
 
 Both run the same Hypothesis-generated schedules: per message a handler that succeeds,
-fails once, asks for a retry once (``NeedRetry``), rejects, or is slow; 50 or fewer in
-flight; and graceful stops followed by a new consumer part-way. Each run must end with
-the same effects and the same settlement per message as the model and as the other
-run: handler calls, applied once or dead-lettered, and nothing left on the queue.
+fails once, asks for a retry once (``NeedRetry``), rejects, is slow, or outlives the
+ack deadline once (``ack_timeout``: the delivery is retried; the late call writes
+nothing); 1, 4 or 50 in flight; and graceful stops followed by a new consumer
+part-way. Each run must end with the same effects and the same settlement per message
+as the model and as the other run: handler calls, applied once or dead-lettered, and
+nothing left on the queue.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -30,7 +33,9 @@ pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(900)]
 
 pytest.importorskip("aio_pika")
 
-FATES = ("ok", "fail_once", "need_retry_once", "reject", "slow")
+FATES = ("ok", "fail_once", "need_retry_once", "reject", "slow", "outlives_deadline")
+ACK_TIMEOUT = 1.5
+LATE = 3 * ACK_TIMEOUT  # how long the first call of "outlives_deadline" takes
 POLICY = RetryPolicy(max_attempts=5, backoff=Backoff.fixed(0.05), local_retries=0)
 
 
@@ -61,7 +66,7 @@ def expected(schedule: Schedule) -> tuple[dict[str, int], dict[str, int], list[s
     calls, applied, dead = {}, {}, []
     for i, fate in enumerate(schedule.fates):
         key = f"k{i}"
-        calls[key] = 2 if fate in ("fail_once", "need_retry_once") else 1
+        calls[key] = 2 if fate in ("fail_once", "need_retry_once", "outlives_deadline") else 1
         if fate == "reject":
             dead.append(key)
         else:
@@ -78,6 +83,15 @@ def queue_messages(queue: str) -> int:
         if name == queue:
             return int(count.strip())
     return 0
+
+
+def settled_count(queue: str, within: float = 30.0) -> int:
+    """Messages left in ``queue``: polled until 0 for up to ``within`` seconds (a
+    quorum queue's counts reach ``rabbitmqctl`` a few seconds late)."""
+    give_up = time.monotonic() + within
+    while (left := queue_messages(queue)) and time.monotonic() < give_up:
+        time.sleep(0.5)
+    return left
 
 
 def delete_queues(prefix: str) -> None:
@@ -113,6 +127,9 @@ async def run(url: str, schedule: Schedule, *, ack_window: bool) -> Result:
             raise RuntimeError("schedule: fail once")
         elif fate == "need_retry_once" and calls[key] == 1:
             raise NeedRetry(delay=0.05, reason="schedule: retry once")
+        elif fate == "outlives_deadline" and calls[key] == 1:
+            await asyncio.sleep(LATE)  # AckTimeout retries it meanwhile
+            raise RuntimeError("schedule: too late")
         applied[key] += 1
 
     async def until(done: int) -> None:
@@ -130,7 +147,7 @@ async def run(url: str, schedule: Schedule, *, ack_window: bool) -> Result:
             for stop_at in [*schedule.stops, None]:
                 consumer = AsyncConsumer(broker, handle, topics=[topic], group="g",
                                          max_in_flight=schedule.in_flight, retry=POLICY,
-                                         ack_timeout=0, poll_timeout=0.05)
+                                         ack_timeout=ACK_TIMEOUT, poll_timeout=0.05)
                 await consumer.start()
                 try:
                     await until(total if stop_at is None else stop_at)
@@ -141,7 +158,7 @@ async def run(url: str, schedule: Schedule, *, ack_window: bool) -> Result:
                     await consumer.stop(30)
         finally:
             await broker.close()
-        left = await asyncio.to_thread(queue_messages, f"{topic}.g")
+        left = await asyncio.to_thread(settled_count, f"{topic}.g")
         with RabbitMQBroker(url) as admin:
             dead = sorted(str(d.message.key) for d in admin.list_dead_letters(topic, "g"))
         return Result(dict(calls), dict(applied), dead, left)

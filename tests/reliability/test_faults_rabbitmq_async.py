@@ -321,7 +321,7 @@ async def test_consumer_recovers_from_server_side_connection_closes(
             if not await run.until(before + 51, RECOVER):  # more than what was held
                 break
             recoveries.append(time.monotonic() - closed_at)
-        finished = await run.until(len(keys), RECOVER)
+        finished = len(recoveries) == closes and await run.until(len(keys), RECOVER)
         stranded = await run.drained(consumer) if finished else -1
     finally:
         go.set()
@@ -365,7 +365,7 @@ async def test_connection_killed_while_idle_is_reopened_by_the_next_fetch(
         finished = await run.until(len(first) + 1, RECOVER)
         if finished:
             recover = time.monotonic() - killed_at
-        finished = await run.until(len(first) + len(second), RECOVER)
+            finished = await run.until(len(first) + len(second), RECOVER)
         stranded = await run.drained(consumer) if finished else -1
     finally:
         await consumer.stop(10)
@@ -393,15 +393,16 @@ async def test_a_reply_lost_on_the_wire_strands_nothing(run: Run, quiet: None,
     recover: float | None = None
     try:
         assert await run.until(100, RECOVER)
-        go.clear()  # in flight now: their acks go out after the loss
+        go.clear()  # in flight now (50 at most): their acks go out after the loss
+        held = len(run.done) + 50
         proxy.lose_next_reply()
         lost_at = time.monotonic()
         go.set()  # their acks free prefetch slots: the server sends more, and it is lost
         assert await asyncio.to_thread(proxy.reply_lost.wait, RECOVER)
-        before = len(run.done)
-        if await run.until(before + 1, RECOVER):
+        finished = await run.until(held + 1, RECOVER)  # from the new connection
+        if finished:
             recover = time.monotonic() - lost_at
-        finished = await run.until(len(keys), RECOVER)
+            finished = await run.until(len(keys), RECOVER)
         stranded = await run.drained(consumer) if finished else -1
     finally:
         go.set()
