@@ -167,7 +167,7 @@ async def run(url: str, schedule: Schedule, *, ack_window: bool) -> Result:
         await asyncio.to_thread(delete_queues, topic)  # the retry queues
 
 
-@settings(max_examples=6, deadline=None, derandomize=False,
+@settings(max_examples=5, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schedule=schedules)
 def test_ack_window_and_one_ack_per_message_settle_alike(rabbitmq_url: str,
