@@ -413,3 +413,47 @@ async def test_a_reply_lost_on_the_wire_strands_nothing(run: Run, quiet: None,
            stranded=stranded, recover=recover)
     assert finished, f"stalled at {len(run.done)} of {len(keys)}"
     assert lost == [] and doubled == 0 and stranded == 0
+
+
+# -- the consume channel closed by the server, the connection alive ---------------------
+
+
+async def test_consume_channel_closed_by_the_server_is_reopened(run: Run, quiet: None
+                                                                ) -> None:
+    """The server closes the consume channel (``PRECONDITION_FAILED - unknown delivery
+    tag``, what the late single ack of hole 2 caused), its connection stays up: the
+    channel is reopened and consumption resumes; every message applied once. The close
+    is provoked with a bogus ack written on the delivery's own aiormq channel (there is
+    no way left through the adapter to make one)."""
+    keys = await publish(run, 200)
+    broker = consumer_broker(run)
+    inner = handler(run)
+    provoked = asyncio.Event()
+
+    async def handle(message: Message) -> None:
+        if message.key == "k50" and not provoked.is_set():
+            provoked.set()
+            channel = message.receipt.incoming.channel  # type: ignore[attr-defined]
+            await channel.basic_ack(10**9)  # the server closes this channel
+        await inner(message)
+
+    consumer = AsyncConsumer(broker, handle, topics=[run.topic], group="g",
+                             max_in_flight=50, retry=POLICY, ack_timeout=0)
+    await consumer.start()
+    recover: float | None = None
+    try:
+        await asyncio.wait_for(provoked.wait(), RECOVER)
+        closed_at = time.monotonic()
+        finished = await run.until(len(run.done) + 51, RECOVER)  # past what was held
+        if finished:
+            recover = time.monotonic() - closed_at
+            finished = await run.until(len(keys), RECOVER)
+        stranded = await run.drained(consumer) if finished else -1
+    finally:
+        await consumer.stop(10)
+        await broker.close()
+    lost, doubled = outcome(run, keys)
+    report("consume channel closed by the server", len(keys), 1, len(lost), doubled,
+           stranded=stranded, recover=recover)
+    assert finished, f"stalled at {len(run.done)} of {len(keys)}"
+    assert lost == [] and doubled == 0 and stranded == 0

@@ -18,6 +18,8 @@ new link with a fresh window. Guarantees:
   their queue on the server (they are redelivered); their late acks and hand-backs are
   dropped here and reported as ``False``, never sent on another channel.
 * ``window=False`` is the plain twin: one ``basic_ack`` per delivery, written at once.
+* In both, a delivery is acked or handed back once: a second settlement of a tag (or
+  one of a tag this channel never delivered) writes nothing.
 
 Deliveries must be reported with :meth:`AmqpLink.delivered` in the order the server
 sent them: aiormq starts one task per delivery in frame order and asyncio runs new
@@ -43,8 +45,8 @@ class AmqpLink:
     """One consume channel (``channel``: aio-pika's; ``raw``: its aiormq channel, which
     writes the acks), numbered ``generation`` by the adapter."""
 
-    __slots__ = ("_flusher", "_on_lost", "_waiters", "_window", "channel", "consumers",
-                 "generation", "lost", "raw", "window")
+    __slots__ = ("_flusher", "_on_lost", "_unsettled", "_waiters", "_window", "channel",
+                 "consumers", "generation", "lost", "raw", "window")
 
     def __init__(self, generation: int, channel: Any, raw: Any, *, window: bool = True,
                  on_lost: Callable[[AmqpLink, BaseException | None], None] | None = None
@@ -59,11 +61,13 @@ class AmqpLink:
         #: True once the channel is gone: nothing more is written on it.
         self.lost = False
         self._window = AckWindow()
+        self._unsettled: set[int] = set()  # delivered here, neither acked nor handed back
         self._waiters: list[asyncio.Future[bool]] = []  # acks awaiting the next round
         self._flusher: asyncio.Task[None] | None = None
 
     def delivered(self, tag: int) -> None:
         """The server delivered ``tag`` on this channel (in the server's order)."""
+        self._unsettled.add(tag)
         self._window.delivered(tag)
 
     async def ack(self, tag: int) -> bool:
@@ -72,10 +76,12 @@ class AmqpLink:
         that is not an unsettled delivery of this channel writes nothing (True)."""
         if self.lost:
             return False
+        if tag not in self._unsettled:
+            return True  # settled already, or not delivered here: nothing to send
+        self._unsettled.discard(tag)
         if not self.window:
             return await self._write(self.raw.basic_ack, tag)
-        if not self._window.ack(tag):
-            return True
+        self._window.ack(tag)
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters.append(done)
         if self._flusher is None:
@@ -87,6 +93,9 @@ class AmqpLink:
         the link is lost (the server has it back already)."""
         if self.lost:
             return False
+        if tag not in self._unsettled:
+            return True  # settled already, or not delivered here: nothing to send
+        self._unsettled.discard(tag)
         if not await self._write(self.raw.basic_nack, tag, requeue=True):
             return False
         self._window.gone(tag)  # written: a later multiple ack may pass it

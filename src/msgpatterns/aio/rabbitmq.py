@@ -166,6 +166,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         self._side: Any = None  # confirmed publishes and declarations
         self._connecting = asyncio.Lock()
         self._outage = 0  # failed reconnect attempts since the link was lost
+        self._retry_at = 0.0  # no reconnect attempt before (monotonic; the backoff)
         self._declared: set[str] = set()
         self._buffers: dict[str, deque[Message]] = {}
         self._changed = asyncio.Event()  # a delivery arrived, the link was lost, closed
@@ -363,6 +364,11 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         link = self._link
         if link is not None and not link.lost:
             return link
+        now = time.monotonic()
+        if now < self._retry_at:  # the backoff after a failed attempt: no new attempt
+            await asyncio.sleep(min(self._retry_at, give_up) - now)
+            if time.monotonic() < self._retry_at:
+                return None
         try:
             link = await self._connect()
         except BrokerUnavailable as exc:
@@ -372,9 +378,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
             if self._outage == 1:
                 log.warning("%s: reconnecting to RabbitMQ failed (%s); retrying",
                             self.name, exc)
-            wait = min(RECONNECT_BACKOFF.delay(self._outage), give_up - time.monotonic())
-            if wait > 0:
-                await asyncio.sleep(wait)
+            self._retry_at = time.monotonic() + RECONNECT_BACKOFF.delay(self._outage)
             return None
         self._outage = 0
         return link
