@@ -8,7 +8,9 @@ connections that go through this proxy (never on another client of a shared serv
   connection killed while idle, a NAT or load balancer dropping it);
 * :meth:`FaultProxy.lose_next_reply` lets the requests through, drops the next bytes
   the server sends back and then closes that connection (a reply lost in flight: the
-  server did the work, the client never hears of it).
+  server did the work, the client never hears of it);
+* ``proxy.down`` (an Event): while set, new connections are closed at once (the server
+  is unreachable); :attr:`FaultProxy.refused` counts them.
 
 New connections are accepted and piped again after a fault (the server never went away).
 """
@@ -54,6 +56,10 @@ class FaultProxy:
         #: Set each time a reply was dropped (and its connection closed).
         self.reply_lost = threading.Event()
         self.connections = 0  # accepted so far
+        #: While set, new connections are closed at once (the server seems down).
+        self.down = threading.Event()
+        self.refused = 0  # connections closed while down
+        self._refusals = threading.Condition()
         self._stopped = threading.Event()
         threading.Thread(target=self._accept, name="fault-proxy-accept", daemon=True).start()
 
@@ -83,6 +89,11 @@ class FaultProxy:
         self.reply_lost.clear()
         self._lose_reply.set()
 
+    def wait_refused(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` connections were refused while :attr:`down`."""
+        with self._refusals:
+            return self._refusals.wait_for(lambda: self.refused >= count, timeout)
+
     def close(self) -> None:
         self._stopped.set()
         with contextlib.suppress(OSError):
@@ -103,6 +114,13 @@ class FaultProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.down.is_set():
+                with contextlib.suppress(OSError):
+                    client.close()
+                with self._refusals:
+                    self.refused += 1
+                    self._refusals.notify_all()
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=10)
                 server.settimeout(None)

@@ -491,3 +491,44 @@ async def test_consume_channel_closed_by_the_server_is_reopened(run: Run, quiet:
            stranded=stranded, recover=recover)
     assert finished, f"stalled at {len(run.done)} of {len(keys)}"
     assert lost == [] and doubled == 0 and stranded == 0
+
+
+async def test_the_consumer_reconnects_after_the_server_was_unreachable_a_while(
+        run: Run, quiet: None, proxy: FaultProxy) -> None:
+    """The connection dies and the server stays unreachable for several reconnect
+    attempts (the proxy closes every new connection): once it is back the consumer
+    reconnects by itself (backoff between attempts, no error raised to the consumer)
+    and finishes; every message applied once, nothing stranded."""
+    keys = await publish(run, 200)
+    go = asyncio.Event()
+    go.set()
+    broker = consumer_broker(run, proxy.url(run.rabbit))
+    consumer = AsyncConsumer(broker, handler(run, hold=go), topics=[run.topic], group="g",
+                             max_in_flight=50, retry=POLICY, ack_timeout=0)
+    await consumer.start()
+    recover: float | None = None
+    try:
+        assert await run.until(60, RECOVER)
+        go.clear()
+        proxy.down.set()
+        assert proxy.kill_all() >= 1
+        held = len(run.done) + 50
+        go.set()
+        assert await asyncio.to_thread(proxy.wait_refused, 3, RECOVER)  # attempts fail
+        proxy.down.clear()
+        back_at = time.monotonic()
+        finished = await run.until(held + 1, RECOVER)
+        if finished:
+            recover = time.monotonic() - back_at
+            finished = await run.until(len(keys), RECOVER)
+        stranded = await run.drained(consumer) if finished else -1
+    finally:
+        proxy.down.clear()
+        go.set()
+        await consumer.stop(10)
+        await broker.close()
+    lost, doubled = outcome(run, keys)
+    report("server unreachable for 3 attempts (proxy)", len(keys), 1, len(lost), doubled,
+           stranded=stranded, recover=recover)
+    assert finished, f"stalled at {len(run.done)} of {len(keys)}"
+    assert lost == [] and doubled == 0 and stranded == 0

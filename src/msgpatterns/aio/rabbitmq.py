@@ -211,7 +211,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         give_up = time.monotonic() + timeout
         while True:
             link = await self._live_link(give_up)
-            if link is None:  # reconnecting; waited out the backoff
+            if link is None:  # reconnecting (backoff): nothing to hand out yet
                 return out
             try:
                 queues = [await self._start_consuming(link, topic, group)
@@ -358,9 +358,10 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
             return link
 
     async def _live_link(self, give_up: float) -> AmqpLink | None:
-        """The live link, reopened if it was lost; None while reopening fails (after
-        waiting the reconnect backoff, at most until ``give_up``). The first connect
-        and a refusal of the credentials raise BrokerUnavailable."""
+        """The live link, reopened if it was lost; None while reopening fails. Attempts
+        are spaced by the reconnect backoff (a call inside it waits, at most until
+        ``give_up``, instead of trying). The first connect and a refusal of the
+        credentials raise BrokerUnavailable."""
         link = self._link
         if link is not None and not link.lost:
             return link
