@@ -24,9 +24,19 @@ dlq``) manages both:
   deliveries go back to their queues); afterwards every operation raises
   :class:`~msgpatterns.errors.BrokerClosed`.
 
-The connection is aio-pika's robust connection (it reconnects); deliveries of a lost
-connection go back to their queue on the server and their late acks fail (they are
-redelivered, never settled twice).
+* Acks of one event-loop turn go out together (the ack window): the channel's
+  contiguous settled prefix as one ``basic_ack(multiple=True)``, settled tags above an
+  unsettled one singly, written by one task per channel at a time, so an ack never
+  covers a delivery that is not settled and never names a tag the server has already
+  forgotten. ``ack_window=False`` writes one ``basic_ack`` per delivery (the plain twin).
+* A lost connection or consume channel (closed by the server, killed while idle, a
+  ``PRECONDITION_FAILED``) is reopened by the next :meth:`fetch` (backoff between
+  failed attempts, until :meth:`close`) and consumption resumes. Deliveries of the lost
+  channel are back on their queue on the server: the prefetched ones are dropped, and
+  late acks, nacks and dead letters of the others are dropped too (never sent on the new
+  channel), so they are redelivered (at least once) rather than settled twice.
+  Authentication failures are never retried: fetch raises
+  :class:`~msgpatterns.errors.BrokerUnavailable`.
 """
 
 from __future__ import annotations
@@ -45,8 +55,9 @@ from typing import TYPE_CHECKING, Any
 from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
+from msgpatterns.aio._amqp_link import AmqpLink
 from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._ack_window import AckWindow
+from msgpatterns.brokers._reconnect import RECONNECT_BACKOFF
 from msgpatterns.brokers.rabbitmq import (
     RabbitMQBroker,
     dead_letter_queue_arguments,
@@ -89,6 +100,11 @@ class _Receipt:
     incoming: Any  # the aio_pika IncomingMessage
     queue: str
     group: str
+    link: AmqpLink  # the channel that delivered it (its acks go there, or nowhere)
+
+    @property
+    def tag(self) -> int:
+        return int(self.incoming.delivery_tag)
 
 
 def _amqp_message(payload: bytes, props: Any) -> Any:
@@ -122,16 +138,20 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         name: connection name shown in the management UI.
         connect_timeout: seconds to connect before raising
             :class:`~msgpatterns.errors.BrokerUnavailable`.
+        ack_window: batch the acks of one loop turn (``basic_ack(multiple=True)`` over
+            the settled prefix); False sends one ``basic_ack`` per delivery.
     """
 
     def __init__(self, url: str, *, prefetch: int = 100, exchange: str = "{topic}",
                  queue: str = "{topic}.{group}", queue_type: str | None = "quorum",
                  declare: bool = True, name: str | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, ack_window: bool = True) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigurationError(f"prefetch must be an integer >= 1, got {prefetch!r}")
         if not isinstance(url, str):
             raise ConfigurationError(f"url must be an amqp:// URL, got {type(url).__name__}")
+        if not isinstance(ack_window, bool):
+            raise ConfigurationError(f"ack_window must be True or False, got {ack_window!r}")
         self.url = url
         self.prefetch = prefetch
         self.exchange_template = exchange
@@ -140,22 +160,20 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         self.declare = declare
         self.name = name or f"msgpatterns-async-{uuid.uuid4().hex[:8]}"
         self.connect_timeout = seconds(connect_timeout) or 5.0
+        self.ack_window = ack_window
         self._connection: Any = None
-        self._channel: Any = None  # deliveries and their acks
+        self._link: AmqpLink | None = None  # the consume channel, its acks, its consumers
+        self._generation = 0  # links opened so far
         self._side: Any = None  # confirmed publishes and declarations
         self._connecting = asyncio.Lock()
+        self._outage = 0  # failed reconnect attempts since the link was lost
+        self._retry_at = 0.0  # no reconnect attempt before (monotonic; the backoff)
         self._declared: set[str] = set()
-        self._consumers: dict[str, tuple[Any, str]] = {}  # queue -> (queue object, tag)
         self._buffers: dict[str, deque[Message]] = {}
-        self._arrived = asyncio.Condition()
+        self._changed = asyncio.Event()  # a delivery arrived, the link was lost, closed
         self._tags = itertools.count(1)
         self._callbacks: set[asyncio.Task[Any]] = set()  # deliveries being taken in
         self._closed = False
-        # Batched acks, per channel (delivery tags are per channel): the settled tags,
-        # the acks awaiting the next flush, and the flush task (one at a time).
-        self._windows: dict[Any, AckWindow] = {}
-        self._ack_waiters: dict[Any, list[asyncio.Future[None]]] = {}
-        self._flushing: asyncio.Task[None] | None = None
 
     # -- names (the sync adapter's) ------------------------------------------------------
 
@@ -187,77 +205,44 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
     async def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
                              timeout: float) -> list[Message]:
         """Up to ``max_messages`` deliveries of ``group``'s queues, waiting up to
-        ``timeout`` seconds for the first."""
+        ``timeout`` seconds for the first. A lost channel is reopened here (and its
+        consumers started again); while that fails this returns nothing."""
         self._check_open()
-        queues = []
-        for topic in topics:
-            queues.append(await self._start_consuming(topic, group))
         out: list[Message] = []
         give_up = time.monotonic() + timeout
-        async with self._arrived:
-            while True:
-                take_round_robin(self._buffers, queues, out, max_messages)
-                left = give_up - time.monotonic()
-                if out or left <= 0 or self._closed:
-                    return out
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), left)
-                except TimeoutError:
-                    return out
+        while True:
+            link = await self._live_link(give_up)
+            if link is None:  # reconnecting (backoff): nothing to hand out yet
+                return out
+            try:
+                queues = [await self._start_consuming(link, topic, group)
+                          for topic in topics]
+            except Exception as exc:
+                connection = self._connection
+                if not (link.lost or link.channel.is_closed or connection is None
+                        or connection.is_closed):
+                    raise
+                link.lose(exc)  # the connection died under the consume: reopen
+                continue
+            take_round_robin(self._buffers, queues, out, max_messages)
+            left = give_up - time.monotonic()
+            if out or left <= 0 or self._closed:
+                return out
+            self._changed.clear()  # checked above, no await since: no wake-up is lost
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return out
+            self._check_open()
 
     async def ack(self, message: Message) -> None:
-        """Ack the delivery; returns once the ack was written. Acks of one event-loop
-        turn go out together: the channel's contiguous settled prefix as one
-        ``basic_ack(multiple=True)`` (one quorum-queue command), settled tags above an
-        unsettled one singly; a delivery not settled is never covered."""
+        """Ack the delivery; returns once the ack was written (see the module docstring
+        for the ack window). The ack of a delivery whose channel is gone is dropped:
+        the server redelivers it."""
         r = receipt_of(message, _Receipt, _OWNER)
-        channel = r.incoming.channel
-        if not self._window(channel).ack(r.incoming.delivery_tag):
-            return  # not an unsettled delivery of this channel: nothing to send
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._ack_waiters.setdefault(channel, []).append(done)
-        if self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._send_acks())
-        try:
-            await asyncio.shield(done)
-        except Exception as exc:
-            raise BrokerError(f"{self.name}: ack of {message.id} failed (its connection "
-                              f"is gone: it is redelivered): {describe(exc)}") from exc
-
-    def _window(self, channel: Any) -> AckWindow:
-        window = self._windows.get(channel)
-        if window is None:
-            window = self._windows[channel] = AckWindow()
-        return window
-
-    async def _send_acks(self) -> None:
-        """Send what the acks of this loop turn settled, channel by channel, and wake
-        their callers (with the channel's error, if sending failed)."""
-        await asyncio.sleep(0)  # the acks of the same turn join this flush
-        self._flushing = None
-        waiters, self._ack_waiters = self._ack_waiters, {}
-        for channel, window in list(self._windows.items()):
-            upto, singles = window.take()
-            error: BaseException | None = None
-            try:
-                if upto is not None:
-                    await channel.basic_ack(upto, multiple=True)
-                for tag in singles:
-                    await channel.basic_ack(tag)
-            except Exception as exc:
-                error = exc
-            if channel.is_closed:  # its deliveries went back to the queue
-                self._windows.pop(channel, None)
-            for done in waiters.pop(channel, []):
-                if not done.done():
-                    if error is None:
-                        done.set_result(None)
-                    else:
-                        done.set_exception(error)
-        for rest in waiters.values():  # a channel forgotten meanwhile
-            for done in rest:
-                if not done.done():
-                    done.set_exception(BrokerError("the channel is gone"))
+        if not await r.link.ack(r.tag):
+            log.debug("%s: the channel of %s is gone; the server redelivers it",
+                      self.name, message.id)
 
     async def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds (through a TTL retry queue) with
@@ -272,8 +257,13 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         await self._move(r, message, ms)
 
     async def dead_letter(self, message: Message, record: DeadLetter) -> None:
-        """Publish the record to the group's dead-letter queue (confirmed), then ack."""
+        """Publish the record to the group's dead-letter queue (confirmed), then ack.
+        A delivery whose channel is gone is left to its redelivery instead."""
         r = receipt_of(message, _Receipt, _OWNER)
+        if r.link.lost:
+            log.debug("%s: the channel of %s is gone; the server redelivers it",
+                      self.name, message.id)
+            return
         try:
             payload, props = dead_letter_wire(record)
             dlq = await self._declare_queue(
@@ -289,27 +279,34 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
 
     async def close(self) -> None:
         """Cancel the consumers, give back prefetched deliveries (their attempt
-        unchanged), close the connection. Idempotent."""
+        unchanged), write the pending acks, close the connection. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        async with self._arrived:
-            self._arrived.notify_all()
+        self._changed.set()
+        link = self._link
         try:
-            for queue, tag in list(self._consumers.values()):
-                try:
-                    await queue.cancel(tag)
-                except Exception:
-                    log.debug("%s: cancelling consumer %s failed", self.name, tag,
-                              exc_info=True)
-            while self._callbacks:  # a malformed delivery being dead-lettered, ...
-                await asyncio.wait(list(self._callbacks))
-            for buffer in self._buffers.values():
-                while buffer:
-                    await self._give_back(buffer.popleft())
+            if link is not None and not link.lost:
+                for queue, tag in list(link.consumers.values()):
+                    try:
+                        await queue.cancel(tag)
+                    except Exception:
+                        log.debug("%s: cancelling consumer %s failed", self.name, tag,
+                                  exc_info=True)
+                while self._callbacks:  # a malformed delivery being dead-lettered, ...
+                    await asyncio.wait(list(self._callbacks))
+                for buffer in self._buffers.values():
+                    while buffer:
+                        await self._give_back(buffer.popleft())
+                await link.flushed()
         finally:
+            for buffer in self._buffers.values():
+                buffer.clear()
             if self._connection is not None:
-                await self._connection.close()
+                try:
+                    await self._connection.close()
+                except Exception:
+                    log.debug("%s: closing the connection failed", self.name, exc_info=True)
 
     @property
     def closed(self) -> bool:
@@ -323,33 +320,116 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         return RabbitMQDeadLetters(self.url, exchange=self.exchange_template,
                                    queue=self.queue_template, check=self._check_open)
 
-    # -- internals --------------------------------------------------------------------
+    # -- the connection and its consume channel ---------------------------------------
 
-    async def _connect(self) -> None:
+    async def _connect(self) -> AmqpLink:
+        """The live link: reuses the connection and channel when both are open, else
+        opens what is gone (a new consume channel is a new link, with no consumers).
+        Raises BrokerUnavailable."""
         async with self._connecting:
-            if self._connection is not None:
-                return
+            link = self._link
+            if link is not None and not link.lost:
+                return link
+            self._check_open()
             try:
-                connection = await aio_pika.connect_robust(
-                    self.url, timeout=self.connect_timeout,
-                    client_properties={"connection_name": self.name})
+                if not self._connection_usable():
+                    await self._drop_connection()
+                    connection = await aio_pika.connect(
+                        self.url, timeout=self.connect_timeout,
+                        client_properties={"connection_name": self.name})
+                    connection.close_callbacks.add(self._on_connection_closed)
+                    self._connection = connection
+                channel = await self._connection.channel(publisher_confirms=False)
+                await channel.set_qos(prefetch_count=self.prefetch)
+                raw = await channel.get_underlay_channel()
             except _AUTH_ERRORS as exc:
                 raise BrokerUnavailable(f"RabbitMQ refused the credentials: {exc}") from exc
             except Exception as exc:
+                await self._drop_connection()  # the next attempt starts afresh
                 raise BrokerUnavailable(
                     f"cannot connect to RabbitMQ within {self.connect_timeout:g}s: "
                     f"{describe(exc) or type(exc).__name__}") from exc
-            channel = await connection.channel(publisher_confirms=False)
-            await channel.set_qos(prefetch_count=self.prefetch)
-            self._channel = channel
-            self._connection = connection
+            self._generation += 1
+            link = AmqpLink(self._generation, channel, raw, window=self.ack_window,
+                            on_lost=self._on_link_lost)
+            channel.close_callbacks.add(lambda _channel, exc=None: link.lose(exc))
+            self._link = link
+            if self._generation > 1:
+                log.info("%s: reconnected (channel %d)", self.name, self._generation)
+            return link
+
+    async def _live_link(self, give_up: float) -> AmqpLink | None:
+        """The live link, reopened if it was lost; None while reopening fails. Attempts
+        are spaced by the reconnect backoff (a call inside it waits, at most until
+        ``give_up``, instead of trying). The first connect and a refusal of the
+        credentials raise BrokerUnavailable."""
+        link = self._link
+        if link is not None and not link.lost:
+            return link
+        now = time.monotonic()
+        if now < self._retry_at:  # the backoff after a failed attempt: no new attempt
+            await asyncio.sleep(min(self._retry_at, give_up) - now)
+            if time.monotonic() < self._retry_at:
+                return None
+        try:
+            link = await self._connect()
+        except BrokerUnavailable as exc:
+            if self._generation == 0 or isinstance(exc.__cause__, _AUTH_ERRORS):
+                raise
+            self._outage += 1
+            if self._outage == 1:
+                log.warning("%s: reconnecting to RabbitMQ failed (%s); retrying",
+                            self.name, exc)
+            self._retry_at = time.monotonic() + RECONNECT_BACKOFF.delay(self._outage)
+            return None
+        self._outage = 0
+        return link
+
+    async def _drop_connection(self) -> None:
+        """Forget the connection (and its side channel), releasing what is left of it."""
+        connection, self._connection, self._side = self._connection, None, None
+        if connection is not None:
+            try:
+                await asyncio.wait_for(connection.close(), self.connect_timeout)
+            except Exception:
+                log.debug("%s: closing a lost connection failed", self.name, exc_info=True)
+
+    def _connection_usable(self) -> bool:
+        connection = self._connection
+        return bool(connection is not None and not connection.is_closed
+                    and connection.connected.is_set())
+
+    def _on_connection_closed(self, connection: Any, exc: BaseException | None = None
+                              ) -> None:
+        if connection is not self._connection:
+            return
+        if self._link is not None:
+            self._link.lose(exc)
+
+    def _on_link_lost(self, link: AmqpLink, exc: BaseException | None) -> None:
+        """``link``'s channel is gone (nothing more is written on it): its prefetched
+        deliveries are dropped (the server redelivers them); fetch reopens."""
+        for buffer in self._buffers.values():
+            kept = [m for m in buffer
+                    if isinstance(m.receipt, _Receipt) and m.receipt.link is not link]
+            buffer.clear()
+            buffer.extend(kept)
+        if not self._closed:
+            log.warning("%s: the RabbitMQ channel was closed (%s); reopening",
+                        self.name, describe(exc) if exc else "no reason given")
+        self._changed.set()
 
     async def _side_channel(self) -> Any:
         """The confirm-mode channel for publishes and declarations (reopened when the
         server closed it, e.g. after a publish to a missing exchange)."""
-        await self._connect()
+        if not self._connection_usable():
+            await self._connect()
         if self._side is None or self._side.is_closed:
-            self._side = await self._connection.channel(publisher_confirms=True)
+            try:
+                self._side = await self._connection.channel(publisher_confirms=True)
+            except Exception as exc:
+                raise BrokerUnavailable(f"{self.name}: cannot open a channel: "
+                                        f"{describe(exc)}") from exc
         return self._side
 
     async def _send(self, exchange: Any, routing_key: str, message: Any, *,
@@ -392,32 +472,36 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
             self._declared.add(f"queue:{name}")
         return name
 
-    async def _start_consuming(self, topic: str, group: str) -> str:
+    async def _start_consuming(self, link: AmqpLink, topic: str, group: str) -> str:
+        """Consume ``group``'s queue of ``topic`` on ``link`` (once per link)."""
         queue_name = self.queue_name(topic, group)
-        if queue_name in self._consumers:
+        if queue_name in link.consumers:
             return queue_name
         await self._declare_group(topic, group)
-        queue = await self._channel.get_queue(queue_name, ensure=False)
+        queue = await link.channel.get_queue(queue_name, ensure=False)
         tag = f"{self.name}-{next(self._tags)}"
 
         async def on_message(incoming: Any) -> None:
+            link.delivered(incoming.delivery_tag)  # before any await: in server order
             task = asyncio.current_task()
             if task is not None:
                 self._callbacks.add(task)
             try:
-                await self._on_message(incoming, topic, queue_name, group)
+                await self._on_message(link, incoming, topic, queue_name, group)
             finally:
                 self._callbacks.discard(task)
 
         await queue.consume(on_message, no_ack=False, consumer_tag=tag)
-        self._consumers[queue_name] = (queue, tag)
+        link.consumers[queue_name] = (queue, tag)
         return queue_name
 
-    async def _on_message(self, incoming: Any, topic: str, queue: str, group: str) -> None:
+    async def _on_message(self, link: AmqpLink, incoming: Any, topic: str, queue: str,
+                          group: str) -> None:
         """A delivery: buffered for fetch, or dead-lettered with the reason when it
         cannot become a Message. Never raises."""
-        self._window(incoming.channel).delivered(incoming.delivery_tag)
-        receipt = _Receipt(incoming, queue, group)
+        if link.lost:
+            return  # back on its queue on the server already
+        receipt = _Receipt(incoming, queue, group, link)
         try:
             message = _message(topic, incoming)
         except Exception as exc:
@@ -427,9 +511,8 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         if self._closed:
             await self._give_back(message)
             return
-        async with self._arrived:
-            self._buffers.setdefault(queue, deque()).append(message)
-            self._arrived.notify_all()
+        self._buffers.setdefault(queue, deque()).append(message)
+        self._changed.set()
 
     async def _dead_letter_malformed(self, r: _Receipt, topic: str, error: Exception) -> None:
         log.warning("%s: a delivery of %s is malformed (%s); dead-lettering it",
@@ -451,7 +534,12 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
     async def _move(self, r: _Receipt, message: Message, delay_ms: int,
                     attempt: int | None = None) -> None:
         """Publish the redelivery copy (through a retry queue when delayed), confirmed,
-        then ack; on failure hand the delivery back and raise."""
+        then ack; on failure hand the delivery back and raise. A delivery whose channel
+        is gone is left to its redelivery (no copy: it would be a second one)."""
+        if r.link.lost:
+            log.debug("%s: the channel of %s is gone; the server redelivers it",
+                      self.name, message.id)
+            return
         try:
             payload, props = redelivery_wire(message, r.group, attempt)
             target = r.queue
@@ -478,13 +566,11 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
                         message.id, exc_info=True)
 
     async def _hand_back(self, r: _Receipt) -> None:
-        """Return the delivery to its queue (a settlement failed or was refused)."""
-        try:
-            await r.incoming.nack(requeue=True)
-            self._window(r.incoming.channel).gone(r.incoming.delivery_tag)
-        except Exception:
-            log.debug("%s: handing back a delivery failed (its connection is gone: the "
-                      "server requeued it)", self.name, exc_info=True)
+        """Return the delivery to its queue (a settlement failed or was refused); on a
+        lost channel the server has it back already."""
+        if not await r.link.nack(r.tag):
+            log.debug("%s: handing back a delivery found its channel gone (the server "
+                      "requeued it)", self.name)
 
     def __repr__(self) -> str:
         return f"AsyncRabbitMQBroker(name={self.name!r})"
