@@ -311,21 +311,27 @@ def router_cost(label: str, broker: Any, store: Any, publishes: int, repeats: in
         return timed(lambda: [publish(keys[i % 1000], b"x") for i in range(publishes)])
 
     runs: dict[str, list[float]] = {"plain": [], "headers": [], "routed": []}
+    cpu: dict[str, list[float]] = {"plain": [], "headers": [], "routed": []}
     for _ in range(repeats):  # interleaved: all three see the same machine load
-        runs["plain"].append(plain())
-        runs["headers"].append(plain_headers())
-        runs["routed"].append(routed())
+        for name_, run in (("plain", plain), ("headers", plain_headers), ("routed", routed)):
+            started = time.process_time()
+            runs[name_].append(run())
+            cpu[name_].append(time.process_time() - started)
     base, with_headers, ours = (min(runs[k]) / publishes * 1e6
                                 for k in ("plain", "headers", "routed"))
+    cpu_base, cpu_ours = (min(cpu[k]) / publishes * 1e6 for k in ("plain", "routed"))
     extra = ours - base
     print(f"{label}: plain publish {base:.1f} us, with the two route headers "
           f"{with_headers:.1f} us, OrderedTopic.publish {ours:.1f} us (+{extra:.1f} us "
           f"over plain, {ours - with_headers:+.1f} us over plain with the headers; least "
-          f"of {repeats} runs of {publishes})", flush=True)
+          f"of {repeats} runs of {publishes}); client CPU per publish {cpu_base:.1f} us "
+          f"plain, {cpu_ours:.1f} us routed", flush=True)
     bench_line("ordered_topics", f"router_us_per_publish_{label}", ours, base, ours / base,
                "<= +10 us", extra <= 10.0, extra_us=round(extra, 2),
                with_headers_us=round(with_headers, 2),
-               lookup_us=round(ours - with_headers, 2), publishes=publishes,
+               lookup_us=round(ours - with_headers, 2),
+               cpu_us_per_msg_ours=round(cpu_ours, 2), cpu_us_per_msg_baseline=round(cpu_base, 2),
+               publishes=publishes,
                repeats=repeats)
     return name
 
