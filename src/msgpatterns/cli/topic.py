@@ -28,10 +28,12 @@ from msgpatterns._escape import escape_control
 from msgpatterns.cli._options import (
     CONNECT_TIMEOUT,
     Subcommands,
+    kafka_config,
     non_empty,
     non_negative_int,
     positive_int,
     redact_url,
+    redis_client,
     sql_engine,
 )
 from msgpatterns.errors import ConfigurationError
@@ -43,28 +45,6 @@ _BROKERS = (*_REDIS, "amqp", "amqps", "kafka", "nats", "tls")
 
 
 # -- opening what the command talks to -------------------------------------------------
-
-
-def _redis_client(url: str) -> Any:
-    """A redis-py client that gives up after CONNECT_TIMEOUT and does not retry (the
-    URL's own ``socket_timeout=...`` options win), checked with one PING so that an
-    unreachable server or a refused login fails once, clearly."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    from msgpatterns.brokers.redis_streams import redis_error
-
-    client = redis.Redis.from_url(
-        url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
-        retry=Retry(NoBackoff(), 0),
-    )
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        client.close()
-        raise redis_error(exc, redact_url(url)) from exc
-    return client
 
 
 @contextmanager
@@ -81,7 +61,7 @@ def open_broker(url: str) -> Iterator[Any]:
     if scheme in _REDIS:
         from msgpatterns.brokers.redis_streams import RedisStreamsBroker
 
-        client = _redis_client(url)
+        client = redis_client(url)
         closers.append(client.close)
         broker = RedisStreamsBroker(client)
     elif scheme.startswith("amqp"):
@@ -91,7 +71,7 @@ def open_broker(url: str) -> Iterator[Any]:
     elif scheme == "kafka":
         from msgpatterns.brokers.kafka import KafkaBroker
 
-        broker = KafkaBroker(url, delivery_timeout=CONNECT_TIMEOUT)
+        broker = KafkaBroker(kafka_config(url), delivery_timeout=CONNECT_TIMEOUT)
     else:
         from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
 
@@ -116,7 +96,7 @@ def open_route_store(url: str, prefix: str | None = None) -> Iterator[Any]:
     if urlsplit(url).scheme in _REDIS:
         from msgpatterns.ordering.redis_routes import RedisRouteStore
 
-        client = _redis_client(url)
+        client = redis_client(url)
         try:
             store = RedisRouteStore(client, **options)
         except BaseException:
