@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -56,34 +56,28 @@ def open_broker(url: str) -> Iterator[Any]:
         known = ", ".join(f"{s}://" for s in _BROKERS)
         raise ConfigurationError(
             f"unknown broker URL scheme {scheme!r} in {redact_url(url)}; use one of {known}")
-    closers: list[Callable[[], None]] = []
-    broker: Any
-    if scheme in _REDIS:
-        from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+    with ExitStack() as stack:  # closes in reverse: the broker, then its client
+        broker: Any
+        if scheme in _REDIS:
+            from msgpatterns.brokers.redis_streams import RedisStreamsBroker
 
-        client = redis_client(url)
-        closers.append(client.close)
-        broker = RedisStreamsBroker(client)
-    elif scheme.startswith("amqp"):
-        from msgpatterns.brokers.rabbitmq import RabbitMQBroker
+            client = redis_client(url)
+            stack.callback(client.close)
+            broker = RedisStreamsBroker(client)
+        elif scheme.startswith("amqp"):
+            from msgpatterns.brokers.rabbitmq import RabbitMQBroker
 
-        broker = RabbitMQBroker(url, connect_timeout=CONNECT_TIMEOUT)
-    elif scheme == "kafka":
-        from msgpatterns.brokers.kafka import KafkaBroker
+            broker = RabbitMQBroker(url, connect_timeout=CONNECT_TIMEOUT)
+        elif scheme == "kafka":
+            from msgpatterns.brokers.kafka import KafkaBroker
 
-        broker = KafkaBroker(kafka_config(url), delivery_timeout=CONNECT_TIMEOUT)
-    else:
-        from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
+            broker = KafkaBroker(kafka_config(url), delivery_timeout=CONNECT_TIMEOUT)
+        else:
+            from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
 
-        broker = NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT)
-    try:
+            broker = NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT)
+        stack.callback(broker.close)
         yield broker
-    finally:
-        try:
-            broker.close()
-        finally:
-            for close in closers:
-                close()
 
 
 @contextmanager
@@ -92,28 +86,19 @@ def open_route_store(url: str, prefix: str | None = None) -> Iterator[Any]:
     ``unix://``), else a SqlRouteStore on the SQLAlchemy URL; closed when the block
     ends. ``prefix`` is the store's key or table prefix (None: its default)."""
     options = {} if prefix is None else {"prefix": prefix}
-    store: Any
-    if urlsplit(url).scheme in _REDIS:
-        from msgpatterns.ordering.redis_routes import RedisRouteStore
+    with ExitStack() as stack:
+        if urlsplit(url).scheme in _REDIS:
+            from msgpatterns.ordering.redis_routes import RedisRouteStore
 
-        client = redis_client(url)
-        try:
-            store = RedisRouteStore(client, **options)
-        except BaseException:
-            client.close()
-            raise
-        try:
-            yield store
-        finally:
-            client.close()
-        return
-    from msgpatterns.ordering.sql_routes import SqlRouteStore
+            client = redis_client(url)
+            stack.callback(client.close)
+            yield RedisRouteStore(client, **options)
+            return
+        from msgpatterns.ordering.sql_routes import SqlRouteStore
 
-    engine = sql_engine(url)
-    try:
+        engine = sql_engine(url)
+        stack.callback(engine.dispose)
         yield SqlRouteStore(engine, **options)
-    finally:
-        engine.dispose()
 
 
 # -- the parser ------------------------------------------------------------------------
@@ -186,13 +171,14 @@ def _routes_url(args: argparse.Namespace) -> str:
                              "(e.g. --routes sqlite:///routes.db)")
 
 
-def _run(args: argparse.Namespace, action: Callable[[Any], int], *, broker: bool) -> int:
-    """Run ``action`` on the OrderedTopic of ``args``; exit code 1 with one line on
-    stderr when the topic does not exist. Other failures propagate to the command's
-    one-line error report (:func:`msgpatterns.cli.explain`)."""
+def _run(opening: AbstractContextManager[Any], action: Callable[[Any], int]) -> int:
+    """Run ``action`` on what ``opening`` opens (:func:`_topic` or :func:`_routes`);
+    exit code 1 with one line on stderr when the topic does not exist. Other failures
+    propagate to the command's one-line error report (:func:`msgpatterns.cli.explain`).
+    """
     try:
-        with _topic(args, broker=broker) as topic:
-            return action(topic)
+        with opening as opened:
+            return action(opened)
     except _NoTopic as exc:
         print(f"msgpatterns topic: {escape_control(exc)}", file=sys.stderr)
         return 1
@@ -203,26 +189,34 @@ class _NoTopic(LookupError):
 
 
 @contextmanager
-def _topic(args: argparse.Namespace, *, broker: bool) -> Iterator[Any]:
-    """The OrderedTopic of ``args``; on a broker that is opened only when ``broker``
-    (``show`` reads the route store alone)."""
-    from msgpatterns.brokers.memory import InMemoryBroker
-    from msgpatterns.ordering import OrderedTopic
-
+def _store(args: argparse.Namespace) -> Iterator[tuple[Any, int]]:
+    """The route store of ``args`` and the topic's number of logic partitions (given
+    to ``create``, else read from the store: _NoTopic when the topic is unknown)."""
     with open_route_store(_routes_url(args), args.routes_prefix) as store:
         logic = getattr(args, "logic_partitions", None)
-        if logic is None:  # an existing topic: take its own count
+        if logic is None:
             state = store.state(args.topic)
             if state is None:
                 raise _NoTopic(f"no ordered topic {args.topic!r} in the route store: "
-                                  "create it with 'msgpatterns topic create'")
+                               "create it with 'msgpatterns topic create'")
             logic = state.committed.logic_partitions
-        if not broker:
-            yield OrderedTopic(InMemoryBroker(), args.topic, routes=store,
-                               logic_partitions=logic)
-            return
-        with open_broker(args.url) as opened:
-            yield OrderedTopic(opened, args.topic, routes=store, logic_partitions=logic)
+        yield store, logic
+
+
+@contextmanager
+def _routes(args: argparse.Namespace) -> Iterator[Any]:
+    """The route store of ``args``, for an existing topic (``show`` needs no broker)."""
+    with _store(args) as (store, _logic):
+        yield store
+
+
+@contextmanager
+def _topic(args: argparse.Namespace) -> Iterator[Any]:
+    """The OrderedTopic of ``args`` on its broker and route store."""
+    from msgpatterns.ordering import OrderedTopic
+
+    with _store(args) as (store, logic), open_broker(args.url) as opened:
+        yield OrderedTopic(opened, args.topic, routes=store, logic_partitions=logic)
 
 
 def route_rows(history: list[Any]) -> list[dict[str, Any]]:
@@ -269,23 +263,23 @@ def _create(args: argparse.Namespace) -> int:
         print(f"  {_ranges(route)}")
         return 0
 
-    return _run(args, action, broker=True)
+    return _run(_topic(args), action)
 
 
 def _show(args: argparse.Namespace) -> int:
-    def action(topic: Any) -> int:
-        state = topic.state()
-        history = topic.routes()
+    def action(store: Any) -> int:
+        state = store.state(args.topic)
+        history = store.history(args.topic)
         group: dict[str, Any] | None = None
         if args.group:
             now = time.time()
             group = {
                 "group": args.group,
-                "members": topic.store.members(args.topic, args.group, now),
+                "members": store.members(args.topic, args.group, now),
                 "leases": {str(p): o for p, o in sorted(
-                    topic.store.leases(args.topic, args.group, now).items())},
+                    store.leases(args.topic, args.group, now).items())},
                 "commands_recorded": [[v, p] for v, p in sorted(
-                    topic.store.commands(args.topic, args.group))],
+                    store.commands(args.topic, args.group))],
             }
         if args.json:
             print(json.dumps({
@@ -316,7 +310,7 @@ def _show(args: argparse.Namespace) -> int:
                   f"member(s); leases: {leases}; commands recorded: {recorded}")
         return 0
 
-    return _run(args, action, broker=False)
+    return _run(_routes(args), action)
 
 
 def _change(kind: str) -> Callable[[argparse.Namespace], int]:
@@ -332,7 +326,7 @@ def _change(kind: str) -> Callable[[argparse.Namespace], int]:
             print(f"  {_ranges(route)}")
             return 0
 
-        return _run(args, action, broker=True)
+        return _run(_topic(args), action)
 
     run.__name__ = f"_{kind}"
     return run
