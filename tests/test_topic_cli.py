@@ -215,3 +215,8 @@ def test_a_password_never_reaches_the_output() -> None:
                        "--routes", "redis://:s3cret-pw@127.0.0.1:1/0")
     assert down.returncode == 1
     assert "cannot connect" in down.stderr and "s3cret-pw" not in down.stderr
+    sql = msgpatterns("topic", "show", "redis://127.0.0.1:1/0", "--topic", "t",
+                      "--routes", "postgresql+psycopg://app:s3cret-pw@127.0.0.1:1/db")
+    assert sql.returncode == 1, sql.stderr
+    assert "cannot connect" in sql.stderr and "s3cret-pw" not in sql.stderr
+    assert sql.stderr.count("\n") == 1
