@@ -39,6 +39,7 @@ GROUPS = {
     "bench_idempotency": "Idempotency",
     "bench_batching": "Batching",
     "bench_ordering": "Ordering",
+    "bench_ordered_topics": "Ordered topics",
     "bench_brokers": "Brokers",
     "bench_peers": "Against FastStream and Dramatiq",
     "bench_spark": "Spark",

@@ -1,4 +1,4 @@
-"""The ``msgpatterns`` command: ``demo``, ``dlq``, ``dedup purge``.
+"""The ``msgpatterns`` command: ``demo``, ``dlq``, ``dedup purge``, ``topic``.
 
 The command is application code on top of the library: the library never imports it.
 Each subcommand is a module of this package with ``register(subcommands)``, which adds
@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from msgpatterns._escape import escape_control
-from msgpatterns.cli import dedup, demo, dlq
+from msgpatterns.cli import dedup, demo, dlq, topic
 from msgpatterns.cli._explain import explain, target_of
 from msgpatterns.cli._options import (
     CONNECT_TIMEOUT,
@@ -65,6 +65,7 @@ COMMANDS: tuple[Callable[[Subcommands], None], ...] = (
     demo.register,
     dedup.register,
     dlq.register,
+    topic.register,
 )
 
 
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``msgpatterns`` parser with every subcommand of :data:`COMMANDS`."""
     parser = ArgumentParser(
         prog="msgpatterns",
-        description="Reliable message consumers: demo, dead-letter and dedup tools.",
+        description="Reliable message consumers: demo, dead-letter, dedup and ordered-topic tools.",
     )
     parser.add_argument("--debug", action="store_true",
                         help="on failure show the traceback, and the libraries' logs")

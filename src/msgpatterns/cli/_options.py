@@ -4,6 +4,7 @@ URL redaction and SQL URLs with a connect timeout."""
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any, NoReturn, Protocol
 from urllib.parse import urlsplit
 
@@ -13,12 +14,14 @@ __all__ = [
     "CONNECT_TIMEOUT",
     "ArgumentParser",
     "Subcommands",
+    "kafka_config",
     "non_empty",
     "non_negative_int",
     "positive_int",
     "readable_file",
     "rate",
     "redact_url",
+    "redis_client",
     "secrets_in",
     "sql_engine",
     "sql_url",
@@ -151,3 +154,44 @@ def sql_engine(url: str) -> Any:
     return sa.create_engine(sql_url(url))
 
 
+def redis_client(url: str) -> Any:
+    """A redis-py client for ``url`` that gives up after :data:`CONNECT_TIMEOUT` and
+    does not retry (the URL's own ``socket_timeout=...`` options win), checked with one
+    PING: an unreachable server or a refused login fails once, with the adapter's
+    typed error (``BrokerUnavailable``...), before anything retries a lost connection.
+    """
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from msgpatterns.brokers.redis_streams import redis_error
+
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
+        retry=Retry(NoBackoff(), 0),
+    )
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        raise redis_error(exc, redact_url(url)) from exc
+    return client
+
+
+#: Where librdkafka's own log lines go (off stderr unless ``msgpatterns --debug``).
+_kafka_log = logging.getLogger("msgpatterns.cli.kafka")
+
+
+def kafka_config(url: str) -> dict[str, Any]:
+    """librdkafka settings for a ``kafka://host:port`` URL: :data:`CONNECT_TIMEOUT`
+    for connections, requests and delivery reports, and librdkafka's log routed to
+    logging (silent unless ``--debug``)."""
+    from msgpatterns.brokers._kafka_records import bootstrap_servers
+
+    timeout_ms = int(CONNECT_TIMEOUT * 1000)
+    return {
+        "bootstrap.servers": bootstrap_servers(f"kafka://{urlsplit(url).netloc}"),
+        "socket.connection.setup.timeout.ms": timeout_ms,
+        "socket.timeout.ms": timeout_ms,
+        "logger": _kafka_log,
+    }

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections.abc import Callable, Collection, Mapping
 from datetime import UTC, datetime
@@ -27,18 +26,17 @@ from msgpatterns.brokers.admin import DeadLetterAdmin
 from msgpatterns.cli._options import (
     CONNECT_TIMEOUT,
     Subcommands,
+    kafka_config,
     non_empty,
     positive_int,
     readable_file,
     redact_url,
+    redis_client,
 )
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import ConfigurationError
 
 __all__ = ["open_admin", "register"]
-
-#: Where librdkafka's own log lines go (off stderr unless ``msgpatterns --debug``).
-_kafka_log = logging.getLogger("msgpatterns.cli.kafka")
 
 
 class Opened:
@@ -97,24 +95,13 @@ def _opened(broker: Any, *also: Callable[[], None]) -> Opened:
 
 def _redis(url: str) -> Opened:
     """Redis Streams, on a client that gives up after CONNECT_TIMEOUT and does not
-    retry (the URL's own ``socket_timeout=...`` options win). One PING first: an
-    unreachable server or a refused login fails once, before the adapter (which
-    retries a lost connection) is involved."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
+    retry (:func:`~msgpatterns.cli._options.redis_client`): an unreachable server or a
+    refused login fails once, before the adapter (which retries a lost connection) is
+    involved."""
+    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
 
-    from msgpatterns.brokers.redis_streams import RedisStreamsBroker, redis_error
-
-    client = redis.Redis.from_url(
-        url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
-        retry=Retry(NoBackoff(), 0),
-    )
+    client = redis_client(url)
     try:
-        try:
-            client.ping()
-        except redis.RedisError as exc:
-            raise redis_error(exc, redact_url(url)) from exc
         broker = RedisStreamsBroker(client)
     except BaseException:
         client.close()
@@ -143,17 +130,9 @@ def _rabbitmq(url: str) -> Opened:
 def _kafka(url: str) -> Opened:
     """Kafka, with CONNECT_TIMEOUT for connections, requests and delivery reports, and
     librdkafka's log routed to logging (silent unless --debug)."""
-    from msgpatterns.brokers._kafka_records import bootstrap_servers
     from msgpatterns.brokers.kafka import KafkaBroker
 
-    timeout_ms = int(CONNECT_TIMEOUT * 1000)
-    config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap_servers(f"kafka://{urlsplit(url).netloc}"),
-        "socket.connection.setup.timeout.ms": timeout_ms,
-        "socket.timeout.ms": timeout_ms,
-        "logger": _kafka_log,
-    }
-    return _opened(KafkaBroker(config, delivery_timeout=CONNECT_TIMEOUT))
+    return _opened(KafkaBroker(kafka_config(url), delivery_timeout=CONNECT_TIMEOUT))
 
 
 def _nats(url: str, tls_ca_file: str | None = None) -> Opened:
