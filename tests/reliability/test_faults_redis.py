@@ -35,6 +35,7 @@ from msgpatterns.aio.memory import AsyncInMemoryBroker
 from msgpatterns.message import Message
 from msgpatterns.retry import Backoff, RetryPolicy
 from msgpatterns.testing import services
+from redis_faults_proxy import LossyProxy
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
@@ -253,3 +254,205 @@ def test_checker_connections_killed_while_idle(kind: str, built_from: str, uniqu
     # 425 messages take about 1.5 s without kills; a dead connection that is written to
     # costs a socket_timeout (5 s on a URL-built checker) or hangs for good.
     assert seconds < 60, f"{seconds:.1f}s for {total} messages"
+
+
+# -- hole 5: XREADGROUP replies lost on the wire -------------------------------------------
+
+
+def redis_address() -> tuple[str, int, int]:
+    """Host, port and database of the Redis the tests use."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(services.require("redis"))
+    return (parts.hostname or "127.0.0.1", parts.port or 6379,
+            int(parts.path.strip("/") or 0))
+
+
+def pending_of(admin: Any, topic: str, group: str, consumer: str | None = None) -> int:
+    """Deliveries pending in ``group`` on ``topic`` and its retry stream (under
+    ``consumer`` only, when given)."""
+    total = 0
+    for stream in (topic, f"{topic}:retry:{group}"):
+        if not admin.exists(stream):
+            continue
+        if consumer is None:
+            total += int(admin.xpending(stream, group)["pending"])
+        else:
+            total += len(admin.xpending_range(stream, group, min="-", max="+", count=100000,
+                                              consumername=consumer))
+    return total
+
+
+def drop_streams(admin: Any, topic: str, group: str) -> None:
+    admin.delete(topic, f"{topic}:retry:{group}", f"{topic}:delayed:{group}", f"{topic}:dlq")
+
+
+def build_consumer(driver: Driver, url: str, topic: str, handle_sync: Callable[[Message], None],
+                   *, read_ahead: bool = True, consumer: str | None = None,
+                   workers: int = 4, slow: float = 0.0) -> tuple[Callable[[], Any], list[Any]]:
+    """``build`` for ``driver.start`` (a broker on ``url`` and a consumer of group "g"
+    whose handler calls ``handle_sync``) and the list the broker lands in."""
+    from msgpatterns.aio.redis_streams import AsyncRedisStreamsBroker
+    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+
+    brokers: list[Any] = []
+    if driver.is_async:
+        async def handle_async(message: Message) -> None:
+            if slow:
+                await asyncio.sleep(slow)
+            handle_sync(message)
+
+        def build() -> Any:
+            broker = AsyncRedisStreamsBroker(url, consumer=consumer)
+            brokers.append(broker)
+            return AsyncConsumer(broker, handle_async, topics=[topic], group="g",
+                                 max_in_flight=workers * 8, retry=POLICY, poll_timeout=0.05)
+        return build, brokers
+
+    def handle(message: Message) -> None:
+        if slow:
+            time.sleep(slow)
+        handle_sync(message)
+
+    def build_sync() -> Any:
+        broker = RedisStreamsBroker(url, consumer=consumer, read_ahead=read_ahead)
+        brokers.append(broker)
+        return Consumer(broker, handle, topics=[topic], group="g", workers=workers,
+                        retry=POLICY, poll_timeout=0.05)
+    return build_sync, brokers
+
+
+def close_broker(driver: Driver, broker: Any) -> None:
+    driver.call(broker.close)
+
+
+@pytest.mark.parametrize(("kind", "read_ahead"), [("sync", True), ("sync", False),
+                                                  ("async", False)])
+def test_lost_xreadgroup_replies_strand_nothing(kind: str, read_ahead: bool, unique: str,
+                                                admin: Any, quiet: None) -> None:
+    """400 entries from a foreign producer, read through a proxy that loses the reply
+    of every third XREADGROUP (8 times): the server has delivered those entries to the
+    consumer, which never sees them. Every entry must still be handled, and nothing
+    stay pending once the input is drained - without waiting for the visibility
+    timeout (30 minutes here)."""
+    n = 400
+    topic = f"lost-reply-{unique}"
+    for i in range(n):
+        admin.xadd(topic, {"body": f"m{i}"})
+    effects = Effects()
+    driver = Driver(kind)
+    host, port, db = redis_address()
+    with LossyProxy(host, port, doom=lambda data: b"XREADGROUP" in data, every=3,
+                    most=8) as proxy:
+        build, brokers = build_consumer(
+            driver, proxy.url(db), topic,
+            lambda message: effects.applied(message.raw_body.decode()),
+            read_ahead=read_ahead)
+        began = time.monotonic()
+        driver.start(build)
+        try:
+            effects.wait_for(lambda: len(effects.count) >= n, 60)
+            drained = effects.wait_for(lambda: pending_of(admin, topic, "g") == 0, 20)
+            seconds = time.monotonic() - began
+            stranded = pending_of(admin, topic, "g")
+        finally:
+            driver.stop()
+            close_broker(driver, brokers[0])
+            driver.finish()
+        faults = proxy.lost
+    drop_streams(admin, topic, "g")
+    lost = sum(1 for i in range(n) if effects.count[f"m{i}"] == 0)
+    mode = f"{kind}, read-ahead {'on' if read_ahead else 'off'}"
+    report(f"redis lost XREADGROUP reply ({mode})", n, faults, lost, effects.doubled(),
+           stranded, seconds)
+    assert faults >= 1
+    assert lost == 0, f"{lost} entries never handled (stranded under the live consumer)"
+    assert stranded == 0 and drained
+    assert effects.doubled() == 0  # lost replies are read again, not redelivered
+
+
+# -- hole 6: stop() and close() from two threads -------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DRIVERS)
+def test_stop_and_close_raced_strand_nothing(kind: str, unique: str, admin: Any,
+                                             quiet: None) -> None:
+    """12 rounds: a consumer with a backlog is running handlers when its ``stop()`` and
+    its broker's ``close()`` are called from two threads (two tasks on the asyncio
+    side) at the same moment, in alternating order. Nothing may stay pending under the
+    closed consumer's name; a last consumer then drains the stream: every message
+    handled, nothing pending."""
+    import random
+
+    rounds, per_round = 12, 150
+    topic = f"race-{unique}"
+    effects = Effects()
+    rng = random.Random(unique)
+    stranded = 0
+    url = services.require("redis")
+    began = time.monotonic()
+    for r in range(rounds):
+        for i in range(per_round):
+            admin.xadd(topic, {"body": f"m{r * per_round + i}"})
+        name = f"race-{unique}-{r}"
+        driver = Driver(kind)
+        build, brokers = build_consumer(
+            driver, url, topic, lambda message: effects.applied(message.raw_body.decode()),
+            consumer=name, slow=0.002)
+        before = sum(effects.count.values())
+        driver.start(build)
+        effects.wait_for(lambda b=before: sum(effects.count.values()) >= b + 20, 30)
+        broker = brokers[0]
+        stop_first = r % 2 == 0
+        delay = rng.uniform(0, 0.003)
+        if driver.is_async:
+            async def race(b: Any = broker, d: Driver = driver, first: bool = stop_first,
+                           pause: float = delay) -> None:
+                async def later(coro: Any) -> None:
+                    await asyncio.sleep(pause)
+                    await coro
+
+                stop, close = d.consumer.stop(5), b.close()
+                await asyncio.gather(*((stop, later(close)) if first else (close, later(stop))),
+                                     return_exceptions=True)
+            driver.call(race)
+        else:
+            barrier = threading.Barrier(2)
+
+            def run(fn: Callable[[], Any], pause: float,
+                    barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                time.sleep(pause)  # which call comes first: the race itself
+                with contextlib.suppress(Exception):
+                    fn()
+
+            calls = [(lambda d=driver: d.consumer.stop(5), 0.0 if stop_first else delay),
+                     (broker.close, delay if stop_first else 0.0)]
+            threads = [threading.Thread(target=run, args=call) for call in calls]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+        driver.finish()
+        stranded += pending_of(admin, topic, "g", consumer=name)
+    total = rounds * per_round
+    # the last consumer drains what the raced ones handed back (or left)
+    driver = Driver(kind)
+    build, brokers = build_consumer(
+        driver, url, topic, lambda message: effects.applied(message.raw_body.decode()))
+    driver.start(build)
+    try:
+        effects.wait_for(lambda: len(effects.count) >= total, 60)
+        effects.wait_for(lambda: pending_of(admin, topic, "g") == 0, 20)
+        seconds = time.monotonic() - began
+        left = pending_of(admin, topic, "g")
+    finally:
+        driver.stop()
+        close_broker(driver, brokers[0])
+        driver.finish()
+    drop_streams(admin, topic, "g")
+    lost = sum(1 for i in range(total) if effects.count[f"m{i}"] == 0)
+    report(f"redis stop()/close() raced ({kind})", total, rounds, lost, effects.doubled(),
+           stranded + left, seconds)
+    assert stranded == 0, f"{stranded} deliveries pending under closed consumers"
+    assert lost == 0 and left == 0
