@@ -185,7 +185,7 @@ def drop_streams(admin: Any, topic: str, group: str) -> None:
 def build_consumer(driver: Driver, url: str, topic: str, handle_sync: Callable[[Message], None],
                    *, read_ahead: bool = True, consumer: str | None = None,
                    workers: int = 4, slow: float = 0.0, policy: RetryPolicy = POLICY,
-                   **options: Any) -> tuple[Callable[[], Any], list[Any]]:
+                   fetch_batch: int = 64, **options: Any) -> tuple[Callable[[], Any], list[Any]]:
     """``build`` for ``driver.start`` (a broker on ``url`` with ``options`` and a
     consumer of group "g" whose handler calls ``handle_sync``) and the list the broker
     lands in."""
@@ -203,7 +203,8 @@ def build_consumer(driver: Driver, url: str, topic: str, handle_sync: Callable[[
             broker = AsyncRedisStreamsBroker(url, consumer=consumer, **options)
             brokers.append(broker)
             return AsyncConsumer(broker, handle_async, topics=[topic], group="g",
-                                 max_in_flight=workers * 8, retry=policy, poll_timeout=0.05)
+                                 max_in_flight=workers * 8, retry=policy, poll_timeout=0.05,
+                                 fetch_batch=fetch_batch)
         return build, brokers
 
     def handle(message: Message) -> None:
@@ -215,7 +216,7 @@ def build_consumer(driver: Driver, url: str, topic: str, handle_sync: Callable[[
         broker = RedisStreamsBroker(url, consumer=consumer, read_ahead=read_ahead, **options)
         brokers.append(broker)
         return Consumer(broker, handle, topics=[topic], group="g", workers=workers,
-                        retry=policy, poll_timeout=0.05)
+                        retry=policy, poll_timeout=0.05, fetch_batch=fetch_batch)
     return build_sync, brokers
 
 
