@@ -443,23 +443,29 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
 
     async def _hand_back_pending(self) -> None:
         """:meth:`close`: hand back every delivery still pending under this consumer in
-        the groups it used."""
+        the groups it used. Redis unreachable: logged, and those deliveries come back
+        after ``visibility_timeout`` (none is lost)."""
         decoder = _Decoder(self.consumer)
-        for (stream, group), (topic, retry) in sorted(self._origins.items()):
-            first = None
-            while True:
-                entries = await self._do(own_pending_async, self._redis, stream, group,
-                                         self.consumer)
-                if not entries or entries[0][0] == first:  # none, or none could move
-                    break
-                first = entries[0][0]
-                for entry_id, fields, deliveries in entries:
-                    message = decoder.message(topic, stream, retry, group, entry_id,
-                                              fields, deliveries)
-                    if message is not None:
-                        await self._redeliver(message, 0.0, attempt=message.attempt)
-        for message, record in decoder.buried:
-            await self._bury(message, record)
+        try:
+            for (stream, group), (topic, retry) in sorted(self._origins.items()):
+                first = None
+                while True:
+                    entries = await self._do(own_pending_async, self._redis, stream, group,
+                                             self.consumer)
+                    if not entries or entries[0][0] == first:  # none, or none could move
+                        break
+                    first = entries[0][0]
+                    for entry_id, fields, deliveries in entries:
+                        message = decoder.message(topic, stream, retry, group, entry_id,
+                                                  fields, deliveries)
+                        if message is not None:
+                            await self._redeliver(message, 0.0, attempt=message.attempt)
+            for message, record in decoder.buried:
+                await self._bury(message, record)
+        except BrokerError:
+            log.warning("%s: could not hand back the deliveries pending under this "
+                        "consumer on close(); they come back after visibility_timeout",
+                        self.consumer, exc_info=True)
 
     async def _hand_back(self, messages: Sequence[Message]) -> None:
         """Return deliveries no handler saw, their attempt unchanged."""

@@ -834,21 +834,28 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
 
     def _hand_back_pending(self) -> None:
         """:meth:`close`: hand back every delivery still pending under this consumer in
-        the groups it used (see :func:`own_pending`)."""
+        the groups it used (see :func:`own_pending`). Redis unreachable: logged, and
+        those deliveries come back after ``visibility_timeout`` (none is lost)."""
         with self._lock:
             slots = sorted(self._origins.items())
-        for (stream, group), (topic, retry) in slots:
-            first = None
-            while True:
-                entries = self._do(own_pending, self._redis, stream, group, self.consumer)
-                if not entries or entries[0][0] == first:  # none, or none could move
-                    break
-                first = entries[0][0]
-                for entry_id, fields, deliveries in entries:
-                    message = self._message(topic, stream, retry, group, entry_id,
-                                            fields, deliveries)
-                    if message is not None:
-                        self._redeliver(message, 0.0, attempt=message.attempt)
+        try:
+            for (stream, group), (topic, retry) in slots:
+                first = None
+                while True:
+                    entries = self._do(own_pending, self._redis, stream, group,
+                                       self.consumer)
+                    if not entries or entries[0][0] == first:  # none, or none could move
+                        break
+                    first = entries[0][0]
+                    for entry_id, fields, deliveries in entries:
+                        message = self._message(topic, stream, retry, group, entry_id,
+                                                fields, deliveries)
+                        if message is not None:
+                            self._redeliver(message, 0.0, attempt=message.attempt)
+        except BrokerError:
+            log.warning("%s: could not hand back the deliveries pending under this "
+                        "consumer on close(); they come back after visibility_timeout",
+                        self.consumer, exc_info=True)
 
     # -- dead-letter admin ----------------------------------------------------------
 
