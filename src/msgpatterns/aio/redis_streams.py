@@ -19,13 +19,13 @@ copy them), so the two read each other's messages, retries and dead letters, and
   rest of the fetch is delivered.
 * A lost consumer group (NOGROUP) is re-created at ``0`` and logged as an error.
 * Nothing stranded: an ``XREADGROUP`` whose reply is lost with its connection is sent
-  again (redis-py's ``Retry``) as a read of this consumer's own pending entries above
+  again as a read of this consumer's own pending entries above
   the last one it was handed, so what the lost reply held comes back at once, before
   new entries; :meth:`AsyncRedisStreamsBroker.close` hands back every delivery still
   pending under this consumer (see the sync adapter).
 
 Differences from the sync adapter: acks are sent at once (no ack batching: a crash
-loses none); a connection failure is retried by redis-py's own ``Retry`` policy, then
+loses none). As there, a connection failure is retried with backoff (5 attempts), then
 raises :class:`~msgpatterns.errors.BrokerUnavailable`. The dead-letter admin is the
 sync one (:meth:`AsyncRedisStreamsBroker.dead_letter_admin`), on a sync client to
 the same server.
@@ -40,11 +40,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import tenacity
+
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._batch import outgoing
+from msgpatterns.brokers._reconnect import reconnect_backoff
 from msgpatterns.brokers.redis_streams import (
     RedisStreamsBroker,
     StreamsSettings,
@@ -77,6 +80,9 @@ _OWNER = "a Redis Streams broker"
 log = logging.getLogger("msgpatterns.aio.redis")
 
 T = TypeVar("T")
+
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+_AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 
 
 _entry = RedisStreamsBroker._entry  # the entry's fields: body, and headers as JSON
@@ -257,9 +263,30 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     # -- internals --------------------------------------------------------------------
 
     async def _do(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-        """``await fn(*args, **kwargs)`` with redis-py's exceptions as the library's."""
+        """``await fn(*args, **kwargs)``, sent again with backoff if the connection fails
+        (5 attempts, as the sync adapter; never once closed, never an auth failure):
+        redis-py's own ``Retry`` makes none by default, so one connection the server
+        closed while it sat in the pool would otherwise fail a settlement. Every
+        command here may run twice (XACK, the settle script's ownership check, a read
+        of a lost reply reads own pending entries again; a publish whose reply was lost
+        can add its entries twice: at least once). redis-py's exceptions come out as
+        the library's own."""
         try:
-            return await fn(*args, **kwargs)
+            try:
+                return await fn(*args, **kwargs)
+            except _CONNECTION_ERRORS as exc:
+                if self._closed or isinstance(exc, _AUTH_ERRORS):
+                    raise
+                log.warning("redis call failed; retrying", exc_info=True)
+            async for attempt in tenacity.AsyncRetrying(
+                    retry=(tenacity.retry_if_exception_type(_CONNECTION_ERRORS)
+                           & tenacity.retry_if_not_exception_type(_AUTH_ERRORS)),
+                    wait=reconnect_backoff(2.0), stop=tenacity.stop_after_attempt(4),
+                    reraise=True):
+                with attempt:
+                    self._check_open()  # a closed broker never reconnects
+                    return await fn(*args, **kwargs)
+            raise AssertionError("unreachable: tenacity re-raises the last error")
         except BrokerError:
             raise
         except redis.RedisError as exc:
