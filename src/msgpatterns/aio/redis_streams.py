@@ -18,9 +18,14 @@ copy them), so the two read each other's messages, retries and dead letters, and
 * An entry that cannot be decoded is dead-lettered on its own with the reason; the
   rest of the fetch is delivered.
 * A lost consumer group (NOGROUP) is re-created at ``0`` and logged as an error.
+* Nothing stranded: an ``XREADGROUP`` whose reply is lost with its connection is sent
+  again as a read of this consumer's own pending entries above
+  the last one it was handed, so what the lost reply held comes back at once, before
+  new entries; :meth:`AsyncRedisStreamsBroker.close` hands back every delivery still
+  pending under this consumer (see the sync adapter).
 
 Differences from the sync adapter: acks are sent at once (no ack batching: a crash
-loses none); a connection failure is retried by redis-py's own ``Retry`` policy, then
+loses none). As there, a connection failure is retried with backoff (5 attempts), then
 raises :class:`~msgpatterns.errors.BrokerUnavailable`. The dead-letter admin is the
 sync one (:meth:`AsyncRedisStreamsBroker.dead_letter_admin`), on a sync client to
 the same server.
@@ -35,11 +40,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import tenacity
+
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
 from msgpatterns.aio._adapter import AsyncBrokerAdapter
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers._batch import outgoing
+from msgpatterns.brokers._reconnect import reconnect_backoff
 from msgpatterns.brokers.redis_streams import (
     RedisStreamsBroker,
     StreamsSettings,
@@ -47,7 +55,11 @@ from msgpatterns.brokers.redis_streams import (
     _NoGroup,
     _pack,
     _Receipt,
+    mark_lost,
+    note_seen,
+    own_pending_async,
     redis_error,
+    reread_done,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.delivery import receipt_of
@@ -68,6 +80,9 @@ _OWNER = "a Redis Streams broker"
 log = logging.getLogger("msgpatterns.aio.redis")
 
 T = TypeVar("T")
+
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+_AUTH_ERRORS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
 
 
 _entry = RedisStreamsBroker._entry  # the entry's fields: body, and headers as JSON
@@ -192,18 +207,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     async def ack(self, message: Message) -> None:
         """XACK the delivery (and XDEL a retry-stream entry) now."""
         self._check_open()
-        r = receipt_of(message, _Receipt, _OWNER)
-
-        async def send() -> None:
-            if not r.retry:
-                await self._redis.xack(r.stream, r.group, r.entry_id)
-                return
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.xack(r.stream, r.group, r.entry_id)
-                pipe.xdel(r.stream, r.entry_id)
-                await pipe.execute()
-
-        await self._do(send)
+        await self._ack_receipt(receipt_of(message, _Receipt, _OWNER))
 
     async def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds to this group only, with ``attempt + 1``,
@@ -218,13 +222,17 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
 
     async def close(self) -> None:
         """No operation starts any more (each raises BrokerClosed); a fetch in progress
-        (bounded by its timeout) hands back what it read; the client is closed if this
-        broker created it. Idempotent."""
+        (bounded by its timeout) hands back what it read; then every delivery still
+        pending under this consumer is handed back to its group's retry stream (attempt
+        unchanged), where any consumer reads it at once: what a consumer fetched and
+        did not settle before ``close()`` never waits for ``visibility_timeout``; the
+        client is closed if this broker created it. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             await self._no_fetch.wait()
+            await self._hand_back_pending()
         finally:
             if self._owns_client:
                 await self._redis.aclose()
@@ -255,9 +263,30 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     # -- internals --------------------------------------------------------------------
 
     async def _do(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-        """``await fn(*args, **kwargs)`` with redis-py's exceptions as the library's."""
+        """``await fn(*args, **kwargs)``, sent again with backoff if the connection fails
+        (5 attempts, as the sync adapter; never once closed, never an auth failure):
+        redis-py's own ``Retry`` makes none by default, so one connection the server
+        closed while it sat in the pool would otherwise fail a settlement. Every
+        command here may run twice (XACK, the settle script's ownership check, a read
+        of a lost reply reads own pending entries again; a publish whose reply was lost
+        can add its entries twice: at least once). redis-py's exceptions come out as
+        the library's own."""
         try:
-            return await fn(*args, **kwargs)
+            try:
+                return await fn(*args, **kwargs)
+            except _CONNECTION_ERRORS as exc:
+                if self._closed or isinstance(exc, _AUTH_ERRORS):
+                    raise
+                log.warning("redis call failed; retrying", exc_info=True)
+            async for attempt in tenacity.AsyncRetrying(
+                    retry=(tenacity.retry_if_exception_type(_CONNECTION_ERRORS)
+                           & tenacity.retry_if_not_exception_type(_AUTH_ERRORS)),
+                    wait=reconnect_backoff(2.0), stop=tenacity.stop_after_attempt(4),
+                    reraise=True):
+                with attempt:
+                    self._check_open()  # a closed broker never reconnects
+                    return await fn(*args, **kwargs)
+            raise AssertionError("unreachable: tenacity re-raises the last error")
         except BrokerError:
             raise
         except redis.RedisError as exc:
@@ -291,6 +320,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
                     if "BUSYGROUP" not in str(exc):
                         raise
                 self._groups.add((stream, group))
+                self._origins[(stream, group)] = (topic, stream != topic)
 
     async def _fetch(self, topics: list[str], group: str, max_messages: int,
                      timeout: float) -> list[Message]:
@@ -370,21 +400,99 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
             streams[topic] = ">"
             origin[retry_key] = (topic, True)
             origin[topic] = (topic, False)
-        reply = await self._do(self._redis.xreadgroup, group, self.consumer, streams,
-                               count=count, block=block)
+        reply, ids = await self._do(self._read_own_first, streams, group, count, block)
+        deleted = reread_done(reply, self._reread, ids, group)
+        if deleted:
+            log.error("%s: %d pending entries were trimmed before being processed: %s",
+                      group, len(deleted), deleted[:10])
+            for stream, entry_id in deleted:
+                await self._ack_receipt(_Receipt(stream, entry_id, group, *origin[stream]))
         out: list[Message] = []
         pairs = reply.items() if isinstance(reply, dict) else reply or []
         for stream_name, entries in pairs:
             stream = codec.text(stream_name)
             topic, retry = origin[stream]
-            for entry in entries[0] if isinstance(reply, dict) else entries:
-                entry_id, fields = entry
-                if fields is None:  # trimmed while pending
+            if entries:  # the highest id read (a lost reply is read again above it)
+                note_seen(self._seen, stream, group, entries[-1][0])
+            for entry_id, fields in entries:
+                if fields is None:  # trimmed while pending (acked above)
                     continue
                 message = decoder.message(topic, stream, retry, group, entry_id, fields, 1)
                 if message is not None:
                     out.append(message)
         return out
+
+    async def _read_own_first(self, streams: Mapping[str, str], group: str, count: int,
+                              block: int | None) -> tuple[Any, dict[str, str]]:
+        """One XREADGROUP on a pool connection, sent again by the connection's
+        ``Retry`` when it fails: of this consumer's own pending entries from where a
+        lost reply left them (:func:`mark_lost`), for the streams that have some, and
+        of new entries for the others (BLOCK only when it reads new entries alone).
+        Returns the raw reply and the id each stream was read from."""
+        pool = self._redis.connection_pool
+        conn = await pool.get_connection()
+        ids: dict[str, str] = {}
+
+        async def read() -> Any:
+            ids.clear()
+            ids.update({stream: self._reread.get((stream, group), ">") for stream in streams})
+            again = any(start != ">" for start in ids.values())
+            await conn.send_command(
+                "XREADGROUP", "GROUP", group, self.consumer, "COUNT", count,
+                *(("BLOCK", block) if block is not None and not again else ()),
+                "STREAMS", *ids, *ids.values())
+            return await conn.read_response()
+
+        async def lost(error: Exception) -> None:
+            mark_lost(self._seen, self._reread, ids, group)  # what it read is pending
+            await conn.disconnect()
+
+        try:
+            reply = await conn.retry.call_with_retry(read, lost)
+        except BaseException:
+            await conn.disconnect(nowait=True)  # a reply may still be on its way
+            raise
+        finally:
+            await pool.release(conn)
+        return reply, dict(ids)
+
+    async def _ack_receipt(self, r: _Receipt) -> None:
+        async def send() -> None:
+            if not r.retry:
+                await self._redis.xack(r.stream, r.group, r.entry_id)
+                return
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xack(r.stream, r.group, r.entry_id)
+                pipe.xdel(r.stream, r.entry_id)
+                await pipe.execute()
+
+        await self._do(send)
+
+    async def _hand_back_pending(self) -> None:
+        """:meth:`close`: hand back every delivery still pending under this consumer in
+        the groups it used. Redis unreachable: logged, and those deliveries come back
+        after ``visibility_timeout`` (none is lost)."""
+        decoder = _Decoder(self.consumer)
+        try:
+            for (stream, group), (topic, retry) in sorted(self._origins.items()):
+                first = None
+                while True:
+                    entries = await self._do(own_pending_async, self._redis, stream, group,
+                                             self.consumer)
+                    if not entries or entries[0][0] == first:  # none, or none could move
+                        break
+                    first = entries[0][0]
+                    for entry_id, fields, deliveries in entries:
+                        message = decoder.message(topic, stream, retry, group, entry_id,
+                                                  fields, deliveries)
+                        if message is not None:
+                            await self._redeliver(message, 0.0, attempt=message.attempt)
+            for message, record in decoder.buried:
+                await self._bury(message, record)
+        except BrokerError:
+            log.warning("%s: could not hand back the deliveries pending under this "
+                        "consumer on close(); they come back after visibility_timeout",
+                        self.consumer, exc_info=True)
 
     async def _hand_back(self, messages: Sequence[Message]) -> None:
         """Return deliveries no handler saw, their attempt unchanged."""

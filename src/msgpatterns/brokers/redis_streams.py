@@ -224,6 +224,91 @@ def _pack(parts: Sequence[bytes]) -> bytes:
     return b"".join(b"%d:%s" % (len(p), p) for p in parts)
 
 
+def _id_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``"<ms>-<seq>"``) as something that sorts like it."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def note_seen(seen: dict[tuple[str, str], str], stream: str, group: str,
+              entry_id: Any) -> None:
+    """Raise ``seen[(stream, group)]`` to ``entry_id`` (the last id of a read)."""
+    eid = codec.text(entry_id)
+    slot = (stream, group)
+    before = seen.get(slot)
+    if before is None or _id_order(eid) > _id_order(before):
+        seen[slot] = eid
+
+
+def mark_lost(seen: Mapping[tuple[str, str], str], reread: dict[tuple[str, str], str],
+              streams: Mapping[str, str], group: str) -> None:
+    """A read of ``streams`` (stream -> id read from) lost its reply: what it read of
+    each stream read with ``>`` is above the highest id seen so far, pending under this
+    consumer; read it again from there (a stream already being read again keeps its
+    place)."""
+    for stream, start in streams.items():
+        if start == ">":
+            reread.setdefault((stream, group), seen.get((stream, group), "0-0"))
+
+
+def reread_done(reply: Any, reread: dict[tuple[str, str], str], streams: Mapping[str, str],
+                group: str) -> list[tuple[str, str]]:
+    """After a read of ``streams``, move on the places of the streams it read again
+    (their own pending entries): to the last id the reply holds, or forgotten when it
+    held none (all read again). Returns the (stream, id) of entries deleted while
+    pending (the reply has no fields for them): to be acked, nothing can deliver them."""
+    if not any(start != ">" for start in streams.values()):
+        return []
+    last: dict[str, str] = {}
+    deleted: list[tuple[str, str]] = []
+    for stream_name, entries in (reply.items() if isinstance(reply, dict) else reply or ()):
+        stream = codec.text(stream_name)
+        if streams.get(stream, ">") == ">" or not entries:
+            continue
+        last[stream] = codec.text(entries[-1][0])
+        deleted.extend((stream, codec.text(eid)) for eid, fields in entries if fields is None)
+    for stream, start in streams.items():
+        if start == ">":
+            continue
+        if stream in last:
+            reread[(stream, group)] = last[stream]
+        else:
+            reread.pop((stream, group), None)
+    return deleted
+
+
+_OWN_PENDING_BATCH = 500
+
+
+def own_pending(client: Any, stream: str, group: str,
+                consumer: str) -> list[tuple[Any, Any, int]]:
+    """Up to 500 deliveries pending under ``consumer`` (oldest first) as (entry id,
+    fields, delivery count): XPENDING for the ids and counts, then XCLAIM to the same
+    consumer for the fields (an entry deleted meanwhile leaves the pending list there)."""
+    pending = client.xpending_range(stream, group, min="-", max="+",
+                                    count=_OWN_PENDING_BATCH, consumername=consumer)
+    return _with_fields(pending, client.xclaim(stream, group, consumer, 0,
+                                               [p["message_id"] for p in pending])
+                        if pending else [])
+
+
+async def own_pending_async(client: Any, stream: str, group: str,
+                            consumer: str) -> list[tuple[Any, Any, int]]:
+    """:func:`own_pending` on a ``redis.asyncio`` client."""
+    pending = await client.xpending_range(stream, group, min="-", max="+",
+                                          count=_OWN_PENDING_BATCH, consumername=consumer)
+    if not pending:
+        return []
+    return _with_fields(pending, await client.xclaim(
+        stream, group, consumer, 0, [p["message_id"] for p in pending]))
+
+
+def _with_fields(pending: list[dict[str, Any]], claimed: Any) -> list[tuple[Any, Any, int]]:
+    counts = {codec.text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+    return [(entry_id, fields, counts.get(codec.text(entry_id), 1))
+            for entry_id, fields in claimed or () if fields is not None]
+
+
 class _Malformed(ValueError):
     """An entry that cannot become a Message (the text says why)."""
 
@@ -342,6 +427,14 @@ class StreamsSettings:
         self._promote_script = self._redis.register_script(_PROMOTE)
         self._claim_script = self._redis.register_script(_CLAIM)
         self._groups: set[tuple[str, str]] = set()
+        #: (stream, group) -> (topic, retry stream?) of every group this broker made sure of.
+        self._origins: dict[tuple[str, str], tuple[str, bool]] = {}
+        #: (stream, group) -> the highest entry id a read handed to this consumer.
+        self._seen: dict[tuple[str, str], str] = {}
+        #: (stream, group) -> where to read this consumer's own pending entries again:
+        #: a read whose reply was lost left entries pending under this consumer that no
+        #: fetch returned (all of them above the highest id seen before that read).
+        self._reread: dict[tuple[str, str], str] = {}
         self._claim_at: dict[tuple[str, str], float] = {}
         self._cursors: dict[tuple[str, str], bytes] = {}
         self._promote_at: dict[tuple[str, str], float] = {}
@@ -668,7 +761,13 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         :class:`~msgpatterns.errors.BrokerClosed`); a fetch waiting in XREADGROUP is
         woken and hands back what it read; deliveries read but never returned by
         :meth:`fetch` are handed back (their attempt unchanged); queued acks are sent;
-        the connection pool is released if this broker created it. If handing back or
+        then every delivery still pending under this consumer is handed back to its
+        group's retry stream, where any consumer of the group reads it at once (its
+        attempt unchanged: the delivery count Redis keeps): deliveries a consumer
+        fetched and did not settle before ``close()`` - not run yet, or whose
+        handler's settlement came after ``close()`` and was refused - never wait for
+        ``visibility_timeout``; the connection pool is released if this broker
+        created it. If handing back or
         sending acks fails, the pool is still released and the error is raised
         (:class:`~msgpatterns.errors.BrokerError`): those deliveries come back after
         ``visibility_timeout``, none is lost. Nothing reconnects afterwards.
@@ -691,9 +790,12 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             finally:  # the acks go out even if a hand-back failed
                 if self._flusher is not None:
                     self._flusher.join(timeout=5)
-                self._flush()
-                if self._flush_error is not None:  # the flusher's last batch failed
-                    raise self._flush_error
+                try:
+                    self._flush()
+                    if self._flush_error is not None:  # the flusher's last batch failed
+                        raise self._flush_error
+                finally:
+                    self._hand_back_pending()
         finally:
             while self._read_conns:
                 self._redis.connection_pool.release(self._read_conns.pop())
@@ -730,6 +832,31 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         """Return deliveries that no handler saw, their attempt unchanged."""
         for message in messages:
             self._redeliver(message, 0.0, attempt=message.attempt)
+
+    def _hand_back_pending(self) -> None:
+        """:meth:`close`: hand back every delivery still pending under this consumer in
+        the groups it used (see :func:`own_pending`). Redis unreachable: logged, and
+        those deliveries come back after ``visibility_timeout`` (none is lost)."""
+        with self._lock:
+            slots = sorted(self._origins.items())
+        try:
+            for (stream, group), (topic, retry) in slots:
+                first = None
+                while True:
+                    entries = self._do(own_pending, self._redis, stream, group,
+                                       self.consumer)
+                    if not entries or entries[0][0] == first:  # none, or none could move
+                        break
+                    first = entries[0][0]
+                    for entry_id, fields, deliveries in entries:
+                        message = self._message(topic, stream, retry, group, entry_id,
+                                                fields, deliveries)
+                        if message is not None:
+                            self._redeliver(message, 0.0, attempt=message.attempt)
+        except BrokerError:
+            log.warning("%s: could not hand back the deliveries pending under this "
+                        "consumer on close(); they come back after visibility_timeout",
+                        self.consumer, exc_info=True)
 
     # -- dead-letter admin ----------------------------------------------------------
 
@@ -835,6 +962,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                         raise
                 with self._lock:
                     self._groups.add((stream, group))
+                    self._origins[(stream, group)] = (topic, stream != topic)
 
     def _promote(self, topic: str, group: str, limit: int, now: float) -> None:
         """Move due retries into the retry stream; note when (monotonic) to look again
@@ -920,15 +1048,16 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         if ahead is not None:
             got = self._messages(self._finish_ahead(ahead), ahead.origin, group)
         if not got:
-            args = head + (["BLOCK", block] if block is not None else []) + tail
-            reply = self._do(self._read_on_own_connection, args, read,
-                             _ack_commands(acks) if acks else ())
+            reply, deleted = self._do(self._read_own_first, head, streams, group, block,
+                                      read, _ack_commands(acks) if acks else ())
             acks = ()
+            if deleted:
+                self._ack_deleted(deleted, origin, group)
             got = self._messages(reply, origin, group)
         now = time.monotonic()
         steady, self._last_read = now - self._last_read < self.read_ahead_hold / 4, now
         if (steady and len(got) >= count and self.read_ahead
-                and self.ack_flush_interval > 0
+                and self.ack_flush_interval > 0 and not self._reread
                 and self._send_ahead(key, origin, acks, head + tail)):
             return got
         if acks:
@@ -939,6 +1068,35 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                             exc_info=True)
                 self._requeue_acks(list(acks))
         return got
+
+    def _read_own_first(self, head: list[Any], streams: Mapping[str, str], group: str,
+                        block: int | None, read: _Read,
+                        acks: Sequence[tuple[Any, ...]]) -> tuple[Any, list[tuple[str, str]]]:
+        """One XREADGROUP: of this consumer's own pending entries from where a lost
+        reply left them (see :func:`mark_lost`), for the streams that have some, and of
+        new entries for the others; BLOCK only when it reads new entries alone. A reply
+        lost on the wire marks its streams to be read again (the retry of this call does
+        that). Returns the raw reply and the entries deleted while pending."""
+        reread = self._reread
+        ids = {stream: reread.get((stream, group), ">") for stream in streams}
+        again = any(start != ">" for start in ids.values())
+        args = [*head, *(["BLOCK", block] if block is not None and not again else ()),
+                "STREAMS", *ids, *ids.values()]
+        try:
+            reply = self._read_on_own_connection(args, read, acks)
+        except _CONNECTION_ERRORS:
+            mark_lost(self._seen, reread, ids, group)
+            raise
+        return reply, reread_done(reply, reread, ids, group) if again else []
+
+    def _ack_deleted(self, deleted: Sequence[tuple[str, str]],
+                     origin: Mapping[str, tuple[str, bool]], group: str) -> None:
+        """Ack own pending entries that were deleted (trimmed) meanwhile: nothing can
+        deliver them any more."""
+        log.error("%s: %d pending entries were trimmed before being processed: %s",
+                  group, len(deleted), deleted[:10])
+        self._send_acks([_Receipt(stream, eid, group, *origin[stream])
+                         for stream, eid in deleted])
 
     def _take_ahead(self, key: tuple[tuple[str, ...], str]) -> _Ahead | None:
         """The read sent ahead for ``key``, now the caller's (None if there is none,
@@ -969,6 +1127,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             self._give_conn(conn, broken=True)
             with self._lock:
                 self._aheads.pop(key, None)
+            # the read may have reached Redis: what it read is to be read again
+            mark_lost(self._seen, self._reread, dict.fromkeys(origin, ">"), key[1])
             log.warning("%s: read-ahead failed", self.consumer, exc_info=True)
             return False
         with self._lock:
@@ -997,9 +1157,12 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         except Exception:
             self._give_conn(conn, broken=True)
             self._requeue_acks(ahead.acked)  # sent or not: an XACK sent twice is harmless
+            # what it read is pending under this consumer: the next read reads it again
+            mark_lost(self._seen, self._reread, dict.fromkeys(ahead.origin, ">"),
+                      ahead.key[1])
             log.warning("%s: reading a read-ahead failed; its acks are queued again and "
-                        "its entries redelivered after the visibility timeout",
-                        self.consumer, exc_info=True)
+                        "its entries are read again by the next fetch", self.consumer,
+                        exc_info=True)
             return None
         self._give_conn(conn)
         return reply
@@ -1072,10 +1235,13 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         # Entries added in the same millisecond share its timestamp: ``ms`` is that
         # millisecond's id prefix (b"<ms>-"), tested without building anything.
         ms, timestamp = b"-", 0.0
+        seen = self._seen
         for stream_name, entries in reply.items() if isinstance(reply, dict) else reply:
             stream = stream_name if type(stream_name) is str else codec.text(stream_name)
             topic, retry = origin[stream]
             prefix = topic + "/"
+            if entries:  # the highest id read (a lost reply is read again above it)
+                note_seen(seen, stream, group, entries[-1][0])
             # Taken off the reply one by one, so each entry's lists are freed as soon
             # as its Message exists: fewer live objects for the garbage collector to
             # scan and promote while the batch is built.

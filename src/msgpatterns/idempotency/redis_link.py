@@ -78,12 +78,15 @@ class _Wire(asyncio.Protocol):
     the caller's future - no stream reader, no parser coroutines between the socket
     and the caller (they cost three times the event loop's own round trip)."""
 
-    __slots__ = ("closed", "conn", "deadline", "reader", "transport", "waiter")
+    __slots__ = ("closed", "conn", "deadline", "lost", "reader", "transport", "waiter")
 
     def __init__(self, conn: Any, transport: asyncio.Transport, reader: Any) -> None:
         self.conn, self.transport, self.reader = conn, transport, reader
         self.waiter: asyncio.Future[Any] | None = None
         self.deadline = 0.0
+        #: The connection is gone (closed by the server, killed, reset): set by the
+        #: event loop as soon as it sees the end of the stream, idle or not.
+        self.lost = False
         self.closed = asyncio.get_running_loop().create_future()
         transport.set_protocol(self)
 
@@ -101,6 +104,7 @@ class _Wire(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         from redis.exceptions import ConnectionError as RedisConnectionError
 
+        self.lost = True
         self.fail(RedisConnectionError("Connection closed by server."))
         if not self.closed.done():
             self.closed.set_result(None)
@@ -143,6 +147,15 @@ class AsyncRedisLink:
     built and opened by redis-py like the client's pool does. With hiredis (the
     parser redis-py uses when it is installed) the replies are read by
     :class:`_Wire`; without it through redis-py's connection.
+
+    A connection the server closed while it sat idle in the free list (``CLIENT KILL``,
+    ``timeout``, a restart) is noticed before anything is written to it: the event loop
+    marks it lost as soon as the end of its stream arrives, and a command never goes
+    out on a lost connection - it is sent on a fresh one instead (nothing was sent yet,
+    so that is safe for any command). A connection that dies once the command is
+    written fails that command at once with redis-py's ``ConnectionError`` (transient
+    to the checker's policy, which sends it again or raises ``StoreUnavailable``): the
+    link cannot know whether the server ran it.
 
     A command past the client's ``socket_timeout`` (send and reply together) raises
     redis-py's ``TimeoutError``; one deadline watch per link checks the commands in
@@ -194,10 +207,23 @@ class AsyncRedisLink:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # connections belong to the loop that opened them
             self._loop, self._free, self._busy, self._watch = loop, [], set(), None
-        conn = self._free.pop() if self._free else await self._open()
+        conn = await self._take()
         if type(conn) is _Wire:
             return await self._send(loop, conn, args)
         return await self._send_by_redis_py(conn, args)
+
+    async def _take(self) -> Any:
+        """A free connection that is still open, or a new one: connections the server
+        closed while they were idle are dropped on the way (never written to)."""
+        free = self._free
+        while free:
+            conn = free.pop()
+            if type(conn) is not _Wire:
+                return conn  # redis-py's own connection notices a closed stream itself
+            if not conn.lost and not conn.transport.is_closing():
+                return conn
+            await conn.drop()
+        return await self._open()
 
     async def _open(self) -> Any:
         assert self._pool is not None
@@ -222,7 +248,7 @@ class AsyncRedisLink:
             self._free.append(wire)  # nothing was sent
             raise DataError(str(error)) from None
         wire.waiter = waiter = loop.create_future()
-        wire.transport.write(packed)
+        wire.transport.write(packed)  # a connection lost from here on fails the waiter
         if self._timeout is not None:
             wire.deadline = loop.time() + self._timeout
             self._busy.add(wire)
