@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import inspect
 import logging
 import threading
 import time
@@ -31,11 +30,9 @@ POLICY = RetryPolicy(max_attempts=1000, backoff=Backoff.fixed(0.05), local_retri
 def report(name: str, messages: int, faults: int, lost: int, doubled: int,
            stranded: int, seconds: float) -> None:
     """One fault line: into the session's reliability totals (with ``stranded`` and
-    the seconds when the harness takes them) and the test's captured output."""
-    extra = {"stranded": stranded, "seconds": seconds}
-    accepted = inspect.signature(record_fault).parameters
+    the seconds to recover) and the test's captured output."""
     record_fault(f"fault: {name}", messages, faults, lost, doubled,
-                 **{k: v for k, v in extra.items() if k in accepted})
+                 stranded=stranded, recover=seconds)
     print(f"fault: {name} messages={messages} faults={faults} lost={lost} "
           f"doubled={doubled} stranded={stranded} seconds={seconds:.2f}")
 

@@ -77,6 +77,8 @@ class Totals:
     crashes: int = 0
     lost: int = 0
     doubled: int = 0
+    stranded: int | None = None  # pending after the run drained (fault lines)
+    recover: float | None = None  # the slowest recovery, in seconds (fault lines)
 
 
 TOTALS: dict[str, Totals] = collections.defaultdict(Totals)
@@ -94,8 +96,11 @@ def record(combination: str, outcome: Outcome) -> None:
         t.doubled += outcome.doubled
 
 
-def record_fault(combination: str, messages: int, kills: int, lost: int, doubled: int) -> None:
-    """A fault test's run: one schedule, ``kills`` faults injected (in ``crashes``)."""
+def record_fault(combination: str, messages: int, kills: int, lost: int, doubled: int,
+                 *, stranded: int | None = None, recover: float | None = None) -> None:
+    """A fault test's run: one schedule, ``kills`` faults injected (in ``crashes``);
+    ``stranded``: messages still pending after the run drained (without waiting for a
+    visibility timeout); ``recover``: seconds from the fault to the next settlement."""
     with _totals_lock:
         t = TOTALS[combination]
         t.schedules += 1
@@ -103,12 +108,18 @@ def record_fault(combination: str, messages: int, kills: int, lost: int, doubled
         t.crashes += kills
         t.lost += lost
         t.doubled += doubled
+        if stranded is not None:
+            t.stranded = (t.stranded or 0) + stranded
+        if recover is not None:
+            t.recover = max(t.recover or 0.0, recover)
 
 
 def summary_lines() -> list[str]:
     return [
         f"reliability: {name} schedules={t.schedules} messages={t.messages} "
         f"deliveries={t.deliveries} faults={t.crashes} lost={t.lost} doubled={t.doubled}"
+        + ("" if t.stranded is None else f" stranded={t.stranded}")
+        + ("" if t.recover is None else f" recover_s={t.recover:.2f}")
         for name, t in sorted(TOTALS.items())
     ]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import logging
 import shutil
 import subprocess
@@ -61,15 +60,9 @@ def quiet() -> Iterator[None]:
 
 def report(name: str, messages: int, faults: int, lost: int, doubled: int, *,
            stranded: int, recover: float | None) -> None:
-    """One line of the reliability summary (stranded and seconds to recover go in too
-    when the harness takes them)."""
-    extra: dict[str, Any] = {}
-    params = inspect.signature(record_fault).parameters
-    if "stranded" in params:
-        extra["stranded"] = stranded
-    if "recover" in params:
-        extra["recover"] = recover
-    record_fault(f"fault: rabbitmq-async {name}", messages, faults, lost, doubled, **extra)
+    """One line of the reliability summary, with stranded and seconds to recover."""
+    record_fault(f"fault: rabbitmq-async {name}", messages, faults, lost, doubled,
+                 stranded=stranded, recover=recover)
     print(f"rabbitmq-async {name}: messages={messages} faults={faults} lost={lost} "
           f"doubled={doubled} stranded={stranded} recover_s="
           f"{'-' if recover is None else f'{recover:.2f}'}")
