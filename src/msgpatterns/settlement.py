@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from msgpatterns import headers as h
-from msgpatterns.deadletter import DeadLetter
-from msgpatterns.errors import describe
+from msgpatterns.deadletter import DeadLetter, DeadLetterStore
+from msgpatterns.errors import ConfigurationError, describe
 from msgpatterns.message import Message
 from msgpatterns.retry import Action, RetryPolicy
 
@@ -37,6 +37,7 @@ __all__ = [
     "Decision",
     "RetryLater",
     "RetryNow",
+    "checked_policy_and_store",
     "failure_headers",
     "run_handler",
     "settle",
@@ -142,3 +143,15 @@ def run_handler(handler: Callable[[Message], Any], message: Message, *,
             return decision
         sleep(decision.delay)
         message.local_retries += 1
+
+
+def checked_policy_and_store(policy: RetryPolicy | None, dead_letters: DeadLetterStore | None
+                             ) -> tuple[RetryPolicy, DeadLetterStore | None]:
+    """The retry policy (a default one for None) and the dead-letter store an
+    integration settles with; ConfigurationError for anything else."""
+    if policy is not None and not isinstance(policy, RetryPolicy):
+        raise ConfigurationError(f"policy must be a RetryPolicy, got {policy!r}")
+    if dead_letters is not None and not callable(getattr(dead_letters, "put", None)):
+        raise ConfigurationError(
+            f"dead_letters must be a DeadLetterStore (with put), got {dead_letters!r}")
+    return (policy if policy is not None else RetryPolicy()), dead_letters

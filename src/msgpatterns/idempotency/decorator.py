@@ -122,18 +122,26 @@ def _require_matching(checker: object, fn: Callable[..., Any], is_async: bool) -
             f"handlers (it awaits its store): use {sync_name} for a sync handler")
 
 
-def _require_tx_parameter(fn: Callable[..., Any]) -> None:
-    """A TransactionalSqlChecker handler must accept ``tx`` (or ``**kwargs``)."""
+def accepts_tx(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called with ``tx=`` (a ``tx`` parameter or ``**kwargs``);
+    True when it has no signature to read (a builtin: trust the caller). The check
+    TransactionalSqlChecker's handlers and tasks must pass."""
     try:
         parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): trust the caller
-        return
-    for parameter in parameters:
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD or (
+    except (TypeError, ValueError):
+        return True
+    return any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD or (
             parameter.name == "tx" and parameter.kind in (
-                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        ):
-            return
+                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+        for parameter in parameters
+    )
+
+
+def _require_tx_parameter(fn: Callable[..., Any]) -> None:
+    """A TransactionalSqlChecker handler must accept ``tx`` (or ``**kwargs``)."""
+    if accepts_tx(fn):
+        return
     raise ConfigurationError(
         f"handler {_default_group(fn)} has no 'tx' parameter, but TransactionalSqlChecker "
         "passes the open transaction as tx=: write def handle(message, tx) and do the "

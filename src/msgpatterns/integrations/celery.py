@@ -35,7 +35,6 @@ Guarantees:
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import logging
 import time
@@ -47,7 +46,7 @@ from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.idempotency.decorator import idempotent
+from msgpatterns.idempotency.decorator import accepts_tx, idempotent
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
 from msgpatterns.settlement import Ack, DeadLetterIt, RetryLater, RetryNow, settle
@@ -76,16 +75,8 @@ def _delivery(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Messa
 
 def _require_tx_parameter(fn: Callable[..., Any]) -> None:
     """A task on a transactional checker must take ``tx`` (keyword) or ``**kwargs``."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read (a builtin): trust the caller
+    if accepts_tx(fn):
         return
-    for parameter in parameters:
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD or (
-            parameter.name == "tx" and parameter.kind in (
-                inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        ):
-            return
     raise ConfigurationError(
         f"task {fn.__module__}.{fn.__qualname__} has no 'tx' parameter, but "
         "TransactionalSqlChecker runs the task in its transaction and passes it as tx=: "

@@ -52,7 +52,14 @@ from msgpatterns.deadletter import DeadLetter, DeadLetterStore
 from msgpatterns.errors import ConfigurationError, NeedRetry, describe
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
-from msgpatterns.settlement import Ack, DeadLetterIt, RetryLater, RetryNow, settle
+from msgpatterns.settlement import (
+    Ack,
+    DeadLetterIt,
+    RetryLater,
+    RetryNow,
+    checked_policy_and_store,
+    settle,
+)
 
 if TYPE_CHECKING:
     from msgpatterns.integrations.deadletters import RedisDeadLetterStore
@@ -116,13 +123,7 @@ class MsgpatternsMiddleware(Middleware):
     def __init__(self, policy: RetryPolicy | None = None, *,
                  dead_letters: DeadLetterStore | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        if policy is not None and not isinstance(policy, RetryPolicy):
-            raise ConfigurationError(f"policy must be a RetryPolicy, got {policy!r}")
-        if dead_letters is not None and not callable(getattr(dead_letters, "put", None)):
-            raise ConfigurationError(
-                f"dead_letters must be a DeadLetterStore (with put), got {dead_letters!r}")
-        self.policy = policy if policy is not None else RetryPolicy()
-        self.dead_letters = dead_letters
+        self.policy, self.dead_letters = checked_policy_and_store(policy, dead_letters)
         self.sleep = sleep
 
     @property

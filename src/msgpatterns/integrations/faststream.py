@@ -81,7 +81,14 @@ from msgpatterns.deadletter import DeadLetter, DeadLetterStore
 from msgpatterns.errors import ConfigurationError, describe
 from msgpatterns.message import Message
 from msgpatterns.retry import RetryPolicy
-from msgpatterns.settlement import Ack, DeadLetterIt, RetryLater, RetryNow, settle
+from msgpatterns.settlement import (
+    Ack,
+    DeadLetterIt,
+    RetryLater,
+    RetryNow,
+    checked_policy_and_store,
+    settle,
+)
 
 require("faststream", "faststream")
 
@@ -546,13 +553,7 @@ class MsgpatternsMiddleware:
 
     def __init__(self, policy: RetryPolicy | None = None, *,
                  dead_letters: DeadLetterStore | None = None, group: str = "") -> None:
-        if policy is not None and not isinstance(policy, RetryPolicy):
-            raise ConfigurationError(f"policy must be a RetryPolicy, got {policy!r}")
-        if dead_letters is not None and not callable(getattr(dead_letters, "put", None)):
-            raise ConfigurationError(
-                f"dead_letters must be a DeadLetterStore (with put), got {dead_letters!r}")
-        self.policy = policy if policy is not None else RetryPolicy()
-        self.dead_letters = dead_letters
+        self.policy, self.dead_letters = checked_policy_and_store(policy, dead_letters)
         self.group = group
 
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
