@@ -1,6 +1,7 @@
 """Spark test fixtures: ONE local SparkSession per run, file-source streams, tables.
 
-The session is ``local[2]`` with two shuffle partitions and no UI. Streams read JSON
+The session is ``local[2,2]`` (two cores; a failed task is attempted again, as on a
+cluster) with two shuffle partitions and no UI. Streams read JSON
 files from a temporary directory, one file per micro-batch, and run with
 ``trigger(availableNow=True)``: each ``run`` processes what is there and stops.
 Without Java the Spark tests skip (fail under MSGPATTERNS_REQUIRE_SERVICES=1).
@@ -28,7 +29,7 @@ def spark() -> Iterator[SparkSession]:
     services.require("java")
     from msgpatterns.spark.local import local_spark
 
-    session = local_spark("local[2]", app_name="msgpatterns-tests", shuffle_partitions=2)
+    session = local_spark("local[2,2]", app_name="msgpatterns-tests", shuffle_partitions=2)
     yield session
     session.stop()
 

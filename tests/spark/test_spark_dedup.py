@@ -10,13 +10,13 @@ import pytest
 import sqlalchemy as sa
 from spark_streams import (
     EVENT_SCHEMA,
+    AppendRows,
     FileStream,
     appended,
     event,
     events_table,
 )
 
-from msgpatterns.demo.spark import AppendRows
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency import (
     CheckerSpec,

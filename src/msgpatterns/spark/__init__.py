@@ -4,6 +4,8 @@
   already wrote (Spark re-runs the last batch after a driver crash).
 * :func:`upsert_latest` - the newest version of each key to a SQL table, written from
   the executors; re-runs and half-written batches are harmless.
+* :func:`append_rows` - append a batch to a SQL table, each partition exactly once
+  (its rows commit with a ledger row; a re-attempted task writes nothing).
 * :func:`dedup_rows` - drop rows a Redis or SQL checker has seen DONE (sources that
   resend), and mark the rest once written.
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 from msgpatterns._extras import lazy_attributes
 
 if TYPE_CHECKING:
+    from msgpatterns.spark.append import AppendResult, append_rows
     from msgpatterns.spark.batch import (
         BatchStats,
         IdempotentBatch,
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from msgpatterns.spark.upsert import UpsertResult, upsert_latest
 
 __all__ = [
+    "AppendResult",
     "BatchLedger",
     "BatchStats",
     "DedupStats",
@@ -37,6 +41,7 @@ __all__ = [
     "IdempotentBatch",
     "SqlSpec",
     "UpsertResult",
+    "append_rows",
     "dedup_rows",
     "idempotent_batch",
     "streaming_query_id",
@@ -44,6 +49,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "AppendResult": "msgpatterns.spark.append",
+    "append_rows": "msgpatterns.spark.append",
     "BatchLedger": "msgpatterns.spark.ledger",
     "BatchStats": "msgpatterns.spark.batch",
     "IdempotentBatch": "msgpatterns.spark.batch",
