@@ -82,3 +82,36 @@ def orders(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
 def events(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
     """An append-only table of events."""
     yield from _created(engine, events_table(f"spark_events_{unique}"))
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One Spark Connect server per run (pyspark's own start-connect-server.sh),
+    stopped by pid."""
+    services.require("java")
+    from spark_servers import start_connect_server
+
+    server = start_connect_server(tmp_path_factory.mktemp("spark-connect"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def connect_spark(connect_server: Any) -> Iterator[SparkSession]:
+    """A Spark Connect session on that server."""
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.builder.remote(connect_server.url).create()
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One standalone master and two 1-core workers per run, stopped by pid."""
+    services.require("java")
+    from spark_servers import start_cluster
+
+    cluster = start_cluster(tmp_path_factory.mktemp("spark-cluster"))
+    yield cluster
+    cluster.stop()

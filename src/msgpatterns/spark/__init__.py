@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from msgpatterns.spark.batch import (
         BatchStats,
         IdempotentBatch,
+        checkpoint_query_id,
         idempotent_batch,
         streaming_query_id,
     )
@@ -42,6 +43,7 @@ __all__ = [
     "SqlSpec",
     "UpsertResult",
     "append_rows",
+    "checkpoint_query_id",
     "dedup_rows",
     "idempotent_batch",
     "streaming_query_id",
@@ -55,6 +57,7 @@ _LAZY = {
     "BatchStats": "msgpatterns.spark.batch",
     "IdempotentBatch": "msgpatterns.spark.batch",
     "idempotent_batch": "msgpatterns.spark.batch",
+    "checkpoint_query_id": "msgpatterns.spark.batch",
     "streaming_query_id": "msgpatterns.spark.batch",
     "DedupStats": "msgpatterns.spark.dedup",
     "DedupedRows": "msgpatterns.spark.dedup",

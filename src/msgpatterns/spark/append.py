@@ -140,6 +140,7 @@ def append_rows(
     sink_id: str,
     batch_id: int,
     query_id: str | None = None,
+    checkpoint: str | None = None,
     schema: str | None = None,
     ledger_table: str = "msgpatterns_partitions",
     engine_options: Mapping[str, Any] | None = None,
@@ -154,11 +155,13 @@ def append_rows(
         table: an existing table.
         sink_id: names this sink (stable across deployments; one per target).
         batch_id: the micro-batch id ``foreachBatch`` gave.
-        query_id: the streaming query's id: by default the running query's on a
-            classic session; on Spark Connect pass
-            ``checkpoint_query_id(df, checkpoint)``. ``""`` keys the ledger on
-            ``sink_id`` alone, so that a new checkpoint over processed input does not
-            append it again (see the docs for the trade-off).
+        query_id: the streaming query's id: by default the running query's (see
+            :func:`~msgpatterns.spark.streaming_query_id`; on Spark Connect give
+            ``checkpoint``). ``""`` keys the ledger on ``sink_id`` alone, so that a new
+            checkpoint over processed input does not append it again (see the docs for
+            the trade-off).
+        checkpoint: the query's ``checkpointLocation``, where Spark Connect finds the
+            query id.
         schema: the table's schema, if not the default one.
         ledger_table: the partition ledger table, created on first use.
         engine_options: keyword arguments for ``sqlalchemy.create_engine``.
@@ -183,7 +186,7 @@ def append_rows(
     if not isinstance(batch_id, int) or batch_id < 0:
         raise ConfigurationError("batch_id must be the micro-batch id (an int >= 0)")
     if query_id is None:
-        query_id = streaming_query_id(df)
+        query_id = streaming_query_id(df, checkpoint)
     if not isinstance(query_id, str) or len(query_id) > 64:
         raise ConfigurationError("query_id must be a string of at most 64 characters")
     sql = SqlSpec.of(url, engine_options)
