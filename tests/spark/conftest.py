@@ -89,7 +89,7 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One Spark Connect server per run (pyspark's own start-connect-server.sh),
     stopped by pid."""
     services.require("java")
-    from spark_servers import start_connect_server
+    from msgpatterns.spark.servers import start_connect_server
 
     server = start_connect_server(tmp_path_factory.mktemp("spark-connect"))
     yield server
@@ -110,7 +110,7 @@ def connect_spark(connect_server: Any) -> Iterator[SparkSession]:
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One standalone master and two 1-core workers per run, stopped by pid."""
     services.require("java")
-    from spark_servers import start_cluster
+    from msgpatterns.spark.servers import start_cluster
 
     cluster = start_cluster(tmp_path_factory.mktemp("spark-cluster"))
     yield cluster

@@ -29,11 +29,10 @@ def slowly(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 def main(master: str, url: str, rows: int) -> dict[str, object]:
-    from spark_servers import cluster_conf_for
-
     from msgpatterns.idempotency import CheckerSpec
     from msgpatterns.spark import append_rows, dedup_rows
     from msgpatterns.spark.local import local_spark
+    from msgpatterns.spark.servers import cluster_conf_for
 
     spark = local_spark(master, app_name="msgpatterns-executor-loss", shuffle_partitions=8,
                         conf=cluster_conf_for(master))

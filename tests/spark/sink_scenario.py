@@ -86,9 +86,8 @@ def run(spark: SparkSession, root: Path, url: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from spark_servers import cluster_conf_for
-
     from msgpatterns.spark.local import local_spark
+    from msgpatterns.spark.servers import cluster_conf_for
 
     master, workdir, database = sys.argv[1:4]
     session = local_spark(master, app_name="msgpatterns-cluster-tests",

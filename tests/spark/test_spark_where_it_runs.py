@@ -37,7 +37,7 @@ def test_on_spark_connect(connect_spark: SparkSession, tmp_path: Path) -> None:
 
 
 def test_on_a_standalone_cluster(spark_cluster: Any, tmp_path: Path) -> None:
-    from spark_servers import spark_env
+    from msgpatterns.spark.servers import spark_env
 
     result = subprocess.run(
         [sys.executable, str(Path(sink_scenario.__file__)), spark_cluster.url, str(tmp_path),
@@ -82,7 +82,8 @@ def test_an_executor_killed_mid_batch_loses_and_doubles_nothing(
     import time
 
     import sqlalchemy as sa
-    from spark_servers import spark_env
+
+    from msgpatterns.spark.servers import spark_env
 
     url = f"sqlite:///{tmp_path / 'loss.db'}"
     engine = sa.create_engine(url)

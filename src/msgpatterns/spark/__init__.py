@@ -9,6 +9,8 @@
 * :func:`dedup_rows` - drop rows a Redis or SQL checker has seen DONE (sources that
   resend), and mark the rest once written.
 
+Every part works on classic sessions (local and clusters) and on Spark Connect sessions
+from the same code: the sink objects pickle, and only DataFrame and Arrow APIs are used.
 Executors receive URLs and options, never live connections. Needs the ``[spark]``
 extra (PySpark, SQLAlchemy); nothing is imported until first use.
 """

@@ -1,7 +1,9 @@
-"""Spark servers the tests start from the pyspark package alone (no downloads): a
-standalone master with workers, and a Spark Connect server. All bind 127.0.0.1 on free
-ports and are stopped by their own pid (each ``spark-class`` launch ``exec``s java, so
-the pid we start is the JVM's).
+"""Local Spark servers for tests, demos and benchmarks, started from the pyspark
+package alone (no downloads): a standalone master with workers, and a Spark Connect
+server. All bind 127.0.0.1 on free ports and are stopped by their own pid (each
+``spark-class`` launch ``exec``s java, so the pid started is the JVM's).
+
+Not for production: no authentication, no TLS.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyspark
-
 import msgpatterns
+from msgpatterns._extras import require
 
-PYSPARK_HOME = Path(pyspark.__file__).parent
-#: The directory that holds the ``msgpatterns`` package under test (the Python
-#: workers of servers we start import it from there).
+__all__ = ["Cluster", "ConnectServer", "cluster_conf_for", "start_cluster",
+           "start_connect_server"]
+
+#: The directory that holds this ``msgpatterns`` package (the Python workers of the
+#: servers started here import it from there).
 SOURCE_ROOT = str(Path(msgpatterns.__file__).parent.parent)
 CONNECT_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
@@ -35,12 +38,18 @@ def free_port() -> int:
         return port
 
 
+def pyspark_home() -> Path:
+    """The pyspark package directory: a complete SPARK_HOME (jars, bin, sbin)."""
+    pyspark = require("pyspark", "spark")
+    return Path(str(pyspark.__file__)).parent
+
+
 def spark_env(workdir: Path) -> dict[str, str]:
     """The environment of a JVM we start, and of the Python workers it starts."""
     path = os.environ.get("PYTHONPATH", "")
     return {
         **os.environ,
-        "SPARK_HOME": str(PYSPARK_HOME),
+        "SPARK_HOME": str(pyspark_home()),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "SPARK_LOG_DIR": str(workdir),
         "SPARK_PID_DIR": str(workdir),
@@ -122,7 +131,7 @@ def start_connect_server(workdir: Path) -> ConnectServer:
         "spark.driver.memory": "1g",
         "spark.driver.extraJavaOptions": "-XX:+UseSerialGC -XX:TieredStopAtLevel=1",
     }
-    args = [str(PYSPARK_HOME / "sbin" / "start-connect-server.sh"), "--master", "local[2,2]"]
+    args = [str(pyspark_home() / "sbin" / "start-connect-server.sh"), "--master", "local[2,2]"]
     for key, value in confs.items():
         args += ["--conf", f"{key}={value}"]
     subprocess.run(args, env=env, check=True, timeout=120, capture_output=True)
@@ -169,7 +178,7 @@ class Cluster:
 def start_cluster(workdir: Path, workers: int = 2) -> Cluster:
     """``bin/spark-class`` Master and Worker processes on 127.0.0.1."""
     env = spark_env(workdir)
-    spark_class = str(PYSPARK_HOME / "bin" / "spark-class")
+    spark_class = str(pyspark_home() / "bin" / "spark-class")
     port, ui_port = free_port(), free_port()
     with open(workdir / "master.log", "wb") as log:
         master = subprocess.Popen(
