@@ -98,7 +98,13 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def connect_spark(connect_server: Any) -> Iterator[SparkSession]:
-    """A Spark Connect session on that server."""
+    """A Spark Connect session on that server.
+
+    Creating it puts this process in pyspark's Connect mode (``pyspark.sql.functions``
+    then build Connect columns): tests on the classic ``spark`` session must run before
+    the first test that uses it (test_spark_where_it_runs.py sorts last and starts with
+    its classic test). Drivers started in subprocesses get an environment without the
+    mode (``msgpatterns.spark.servers.spark_env``)."""
     from pyspark.sql import SparkSession
 
     session = SparkSession.builder.remote(connect_server.url).create()

@@ -28,6 +28,8 @@ __all__ = ["Cluster", "ConnectServer", "cluster_conf_for", "start_cluster",
 #: The directory that holds this ``msgpatterns`` package (the Python workers of the
 #: servers started here import it from there).
 SOURCE_ROOT = str(Path(msgpatterns.__file__).parent.parent)
+#: Variables pyspark sets in a process that created a Spark Connect session.
+CONNECT_MARKS = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
 CONNECT_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 
 
@@ -47,8 +49,11 @@ def pyspark_home() -> Path:
 def spark_env(workdir: Path) -> dict[str, str]:
     """The environment of a JVM we start, and of the Python workers it starts."""
     path = os.environ.get("PYTHONPATH", "")
+    # a Spark Connect session in this process marks it with these; a classic driver
+    # started from here must not inherit them
+    inherited = {k: v for k, v in os.environ.items() if k not in CONNECT_MARKS}
     return {
-        **os.environ,
+        **inherited,
         "SPARK_HOME": str(pyspark_home()),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "SPARK_LOG_DIR": str(workdir),
