@@ -70,9 +70,11 @@ def main(url: str, workdir: Path) -> bool:
         print(f"batch {batch_id}: {result.rows} events, {result.keys} orders, "
               f"{result.written} rows written, {result.stale} stale")
 
-    sink = idempotent_batch(write, ledger, sink_id="orders-latest")
-
     source, checkpoint = workdir / "events", workdir / "checkpoint"
+    # the checkpoint is where a Spark Connect session finds the query id (a classic
+    # session is told it); the same code runs on both
+    sink = idempotent_batch(write, ledger, sink_id="orders-latest", checkpoint=str(checkpoint))
+
     source.mkdir()
     for number, events in enumerate(FILES):
         path = source / f"events-{number}.json"

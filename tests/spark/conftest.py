@@ -1,6 +1,7 @@
 """Spark test fixtures: ONE local SparkSession per run, file-source streams, tables.
 
-The session is ``local[2]`` with two shuffle partitions and no UI. Streams read JSON
+The session is ``local[2,2]`` (two cores; a failed task is attempted again, as on a
+cluster) with two shuffle partitions and no UI. Streams read JSON
 files from a temporary directory, one file per micro-batch, and run with
 ``trigger(availableNow=True)``: each ``run`` processes what is there and stops.
 Without Java the Spark tests skip (fail under MSGPATTERNS_REQUIRE_SERVICES=1).
@@ -28,7 +29,7 @@ def spark() -> Iterator[SparkSession]:
     services.require("java")
     from msgpatterns.spark.local import local_spark
 
-    session = local_spark("local[2]", app_name="msgpatterns-tests", shuffle_partitions=2)
+    session = local_spark("local[2,2]", app_name="msgpatterns-tests", shuffle_partitions=2)
     yield session
     session.stop()
 
@@ -81,3 +82,42 @@ def orders(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
 def events(engine: sa.Engine, unique: str) -> Iterator[sa.Table]:
     """An append-only table of events."""
     yield from _created(engine, events_table(f"spark_events_{unique}"))
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One Spark Connect server per run (pyspark's own start-connect-server.sh),
+    stopped by pid."""
+    services.require("java")
+    from msgpatterns.spark.servers import start_connect_server
+
+    server = start_connect_server(tmp_path_factory.mktemp("spark-connect"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def connect_spark(connect_server: Any) -> Iterator[SparkSession]:
+    """A Spark Connect session on that server.
+
+    Creating it puts this process in pyspark's Connect mode (``pyspark.sql.functions``
+    then build Connect columns): tests on the classic ``spark`` session must run before
+    the first test that uses it (test_spark_where_it_runs.py sorts last and starts with
+    its classic test). Drivers started in subprocesses get an environment without the
+    mode (``msgpatterns.spark.servers.spark_env``)."""
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.builder.remote(connect_server.url).create()
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One standalone master and two 1-core workers per run, stopped by pid."""
+    services.require("java")
+    from msgpatterns.spark.servers import start_cluster
+
+    cluster = start_cluster(tmp_path_factory.mktemp("spark-cluster"))
+    yield cluster
+    cluster.stop()

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
-from msgpatterns.demo.spark import AppendRows
 from msgpatterns.spark.local import drop_last_commit
+from msgpatterns.spark.resources import SqlSpec
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame, Row, SparkSession
 
 #: The order events every stream test reads.
 EVENT_SCHEMA = "order_id STRING, version BIGINT, status STRING, event_id STRING"
@@ -101,6 +101,21 @@ def events_table(name: str) -> sa.Table:
         sa.Column("order_id", sa.String(64), nullable=False),
         sa.Column("version", sa.BigInteger, nullable=False),
     )
+
+
+class AppendRows:
+    """``foreachPartition``: insert the partition's rows into ``table`` in one
+    transaction - a plain append, at least once (a re-attempted task writes again)."""
+
+    def __init__(self, url: str, table: str) -> None:
+        self.spec = SqlSpec.of(url)
+        self.table = table
+
+    def __call__(self, rows: Iterator[Row]) -> None:
+        records = [row.asDict() for row in rows]
+        if records:
+            with self.spec.engine().begin() as conn:
+                conn.execute(self.spec.table(self.table).insert(), records)
 
 
 def append_sink(url: str, table: sa.Table) -> Any:

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from spark_streams import FileStream, append_sink, appended, event
 
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.spark import BatchLedger, idempotent_batch, streaming_query_id
+from msgpatterns.spark import BatchLedger, IdempotentBatch, idempotent_batch, streaming_query_id
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -101,3 +101,39 @@ def test_transactional_mode_commits_the_ledger_row_with_the_write(
 def test_outside_a_streaming_query_there_is_no_query_id(spark: SparkSession) -> None:
     with pytest.raises(ConfigurationError, match="foreachBatch"):
         streaming_query_id(spark.range(1))
+
+
+def test_a_sink_scoped_ledger_does_not_rewrite_processed_input_under_a_new_checkpoint(
+    stream: FileStream, db_url: str, engine: sa.Engine, events: sa.Table, unique: str,
+) -> None:
+    """Issue 20, 4 (Delta's txnAppId): the ledger and the partition ledger keyed on the
+    sink alone; a new checkpoint over the same input writes nothing again. The default
+    (keyed on the query) writes it again - the other side of the trade-off."""
+    from msgpatterns.spark import append_rows
+
+    expected = three_batches(stream)
+    ledgers = {scope: BatchLedger(db_url, table=f"spark_ledger_{scope}_{unique}", scope=scope)
+               for scope in ("sink", "query")}
+
+    def sink(scope: str) -> IdempotentBatch:
+        def write(df: DataFrame, batch_id: int) -> None:
+            append_rows(df.select("event_id", "order_id", "version"), db_url, events.name,
+                        sink_id="events", batch_id=batch_id,
+                        query_id="" if scope == "sink" else None,
+                        ledger_table=f"spark_parts_{scope}_{unique}")
+        return idempotent_batch(write, ledgers[scope], "events")
+
+    by_sink = sink("sink")
+    stream.run(by_sink)
+    assert appended(engine, events) == expected
+    stream.new_checkpoint()  # same files, new query id
+    stream.run(by_sink)
+    assert appended(engine, events) == expected, "a new checkpoint appended processed input"
+    assert (by_sink.stats.written, by_sink.stats.skipped) == (3, 3)
+
+    stream.new_checkpoint()
+    stream.run(sink("query"))  # keyed on the query: the new checkpoint writes its batches
+    assert appended(engine, events) == sorted(expected * 2)
+    for scope, ledger in ledgers.items():
+        ledger.drop_table()
+        sa.Table(f"spark_parts_{scope}_{unique}", sa.MetaData()).drop(engine, checkfirst=True)

@@ -10,13 +10,13 @@ import pytest
 import sqlalchemy as sa
 from spark_streams import (
     EVENT_SCHEMA,
+    AppendRows,
     FileStream,
     appended,
     event,
     events_table,
 )
 
-from msgpatterns.demo.spark import AppendRows
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency import (
     CheckerSpec,
@@ -120,3 +120,22 @@ def test_only_shared_checkers_and_existing_columns(spark: SparkSession, tmp_path
         dedup_rows(df, TransactionalSqlChecker(url), key="event_id")
     with pytest.raises(ConfigurationError, match="no column"):
         dedup_rows(df, SqlChecker(url), key="missing")
+
+
+def test_a_recomputed_claim_gets_the_same_claims_back(
+    spark: SparkSession, checker_spec: CheckerSpec,
+) -> None:
+    """Issue 20, 1: the claimed rows' blocks are lost (an executor died); the write and
+    the commit recompute the claims, which must find the keys still theirs."""
+    df = spark.createDataFrame([event(f"o{n}", 1) for n in range(6)], EVENT_SCHEMA)
+    ids = [f"o{n}:v1" for n in range(6)]
+    fresh = dedup_rows(df, checker_spec, key="event_id")
+    assert fresh.stats == DedupStats(kept=6, dropped=0, in_progress=0)
+    spark.catalog.clearCache()  # the cached claims are gone, as with a lost executor
+    assert sorted(r.event_id for r in fresh.df.collect()) == ids  # the write recomputes
+    assert fresh.commit() == 6  # and so does the commit: every key is marked DONE
+
+    resent = dedup_rows(df, checker_spec, key="event_id")
+    assert resent.stats == DedupStats(kept=0, dropped=6, in_progress=0)
+    assert resent.df.count() == 0
+    resent.release()

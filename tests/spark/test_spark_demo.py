@@ -39,7 +39,8 @@ def test_the_spark_demo_ends_exact(spark: SparkSession, db: str, request: pytest
     if url is not None:
         engine = sa.create_engine(url)
         with engine.begin() as conn:
-            for table in ("orders", "payments", "dead_letters", "batches", "dedup"):
+            for table in ("orders", "payments", "dead_letters", "batches", "dedup",
+                          "partitions"):
                 conn.execute(sa.text(f'DROP TABLE IF EXISTS "{prefix}{table}"'))
         engine.dispose()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -166,3 +167,22 @@ def test_a_ledger_leaves_the_user_engines_connections_untouched(sqlite_url: str)
     assert levels and set(levels) == {"default"}
     assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     engine.dispose()
+
+
+def test_the_ledger_and_the_sink_pickle_and_build_their_engine_where_they_land(
+    tmp_path: Path,
+) -> None:
+    """Spark Connect pickles the foreachBatch function to its server."""
+    import pickle
+
+    from msgpatterns.spark import idempotent_batch
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = BatchLedger(sa.create_engine(url), table="ledger", retain=5, scope="sink")
+    sink = idempotent_batch(print, ledger, "sink-a", checkpoint="/checkpoints/a")
+    copy = pickle.loads(pickle.dumps(sink))
+    assert (copy.sink_id, copy.checkpoint, copy.ledger.scope, copy.ledger.retain) == \
+        ("sink-a", "/checkpoints/a", "sink", 5)
+    assert copy.ledger.record("sink-a", "", 3)
+    assert ledger.is_recorded("sink-a", "", 3)  # the same database, its own engine
+    assert "password" not in repr(BatchLedger("postgresql://u:password@h/db"))

@@ -13,7 +13,7 @@ from spark_streams import EVENT_SCHEMA, FileStream, event, orders_table, read_ta
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.spark import SqlSpec, UpsertResult, upsert_latest
-from msgpatterns.spark.upsert import _MISSING, _ROWS, _Target, _WritePartition
+from msgpatterns.spark.upsert import _KEYS, _MISSING, _ROWS, _WRITTEN, _Target, _WritePartition
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -178,21 +178,11 @@ def test_a_row_without_a_version_fails_the_job_with_a_clear_error(
         upsert_latest(df, db_url, orders.name, key="order_id", version="version")
 
 
-class Counter:
-    """Stands in for a Spark accumulator when a partition function runs in-process."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def add(self, amount: int) -> None:
-        self.value += amount
-
-
 @pytest.mark.postgres
 def test_a_connection_killed_between_chunks_is_replaced_and_the_chunk_retried(
     postgres_url: str, unique: str,
 ) -> None:
-    from pyspark.sql import Row
+    import pyarrow as pa
 
     engine = sa.create_engine(postgres_url)
     orders = orders_table(f"spark_orders_{unique}")
@@ -203,20 +193,19 @@ def test_a_connection_killed_between_chunks_is_replaced_and_the_chunk_retried(
                      StorePolicy(attempts=3, wait=0.01))
     killed: list[int] = []
 
-    def rows() -> Iterator[Row]:
+    def rows() -> Iterator[pa.RecordBatch]:
         for n in range(25):
             if n == 10:  # the writer is between its first and second chunk
                 with engine.begin() as conn:
                     killed.append(conn.execute(sa.text(
                         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                         "WHERE application_name = :app"), {"app": app}).scalar_one())
-            yield Row(**{"order_id": f"o{n}", "version": 1, "status": "s1",
-                         _ROWS: 1, _MISSING: 0})
+            yield pa.RecordBatch.from_pylist([{"order_id": f"o{n}", "version": 1,
+                                               "status": "s1", _ROWS: 1, _MISSING: 0}])
 
-    counters = (Counter(), Counter(), Counter())
-    _WritePartition(target, 10, counters)(rows())  # type: ignore[arg-type]
+    (counts,) = _WritePartition(target, 10)(rows())
     assert killed == [1]
-    assert [c.value for c in counters] == [25, 25, 25]
+    assert counts.to_pylist() == [{_ROWS: 25, _KEYS: 25, _WRITTEN: 25}]
     assert len(read_table(engine, orders)) == 25
     orders.drop(engine)
     engine.dispose()

@@ -9,7 +9,8 @@ and its ``foreachBatch`` function - wrapped in
 * the latest status per order, with :func:`~msgpatterns.spark.upsert_latest` (an older
   version never overwrites a newer one; written from the executors);
 * one payment row per paid order, appended from the executors after
-  :func:`~msgpatterns.spark.dedup_rows` dropped resent events;
+  :func:`~msgpatterns.spark.dedup_rows` dropped resent events, each partition exactly
+  once with :func:`~msgpatterns.spark.append_rows`;
 * malformed lines to a dead-letter table, with the reason.
 
 Between runs the driver "dies" after a batch's write and before Spark's commit (the
@@ -36,6 +37,7 @@ import sqlalchemy as sa
 
 from msgpatterns.demo.console import STEPS, Console, DemoResult
 from msgpatterns.idempotency.sql import SqlChecker
+from msgpatterns.spark.append import append_rows, partition_ledger_table
 from msgpatterns.spark.batch import IdempotentBatch, idempotent_batch
 from msgpatterns.spark.dedup import dedup_rows
 from msgpatterns.spark.ledger import BatchLedger
@@ -44,9 +46,9 @@ from msgpatterns.spark.resources import SqlSpec
 from msgpatterns.spark.upsert import upsert_latest
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, Row, SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["AppendRows", "check", "plan_feed", "run_spark_demo"]
+__all__ = ["check", "plan_feed", "run_spark_demo"]
 
 SCHEMA = ("order_id STRING, status STRING, version BIGINT, amount_cents BIGINT, "
           "event_id STRING, _corrupt_record STRING")
@@ -136,6 +138,7 @@ class Tables:
             sa.Column("line", sa.Text, nullable=False),
             sa.Column("reason", sa.String(200), nullable=False),
         )
+        partition_ledger_table(f"{self.prefix}partitions", meta)  # append_rows' ledger
         self.metadata = meta
 
     def recreate(self) -> None:
@@ -154,21 +157,6 @@ class Tables:
                 paid.setdefault(r.order_id, []).append(r.amount_cents)
             dead = conn.execute(sa.select(sa.func.count()).select_from(self.dead_letters))
             return {"orders": orders, "payments": paid, "dead_letters": dead.scalar_one()}
-
-
-class AppendRows:
-    """``foreachPartition``: insert the partition's rows into ``table`` (one
-    transaction, no dedup of its own)."""
-
-    def __init__(self, url: str, table: str) -> None:
-        self.spec = SqlSpec.of(url)
-        self.table = table
-
-    def __call__(self, rows: Iterator[Row]) -> None:
-        records = [row.asDict() for row in rows]
-        if records:
-            with self.spec.engine().begin() as conn:
-                conn.execute(self.spec.table(self.table).insert(), records)
 
 
 @dataclass
@@ -197,8 +185,11 @@ def build_sink(tables: Tables, ledger: BatchLedger, checker: SqlChecker,
                                    tables.orders.name, key="order_id", version="version")
             paid = good.where(F.col("status") == "paid")
             with dedup_rows(paid, checker_spec, key="event_id", group="payments") as fresh:
-                fresh.df.select("event_id", "order_id", "amount_cents").foreachPartition(
-                    AppendRows(tables.url, tables.payments.name))
+                # each partition's rows commit with its ledger row: a re-attempted task
+                # or a replayed batch appends nothing twice
+                append_rows(fresh.df.select("event_id", "order_id", "amount_cents"),
+                            tables.url, tables.payments.name, sink_id="demo-payments",
+                            batch_id=batch_id, ledger_table=f"{tables.prefix}partitions")
             dead = [{"batch_id": batch_id, "line": r["_corrupt_record"] or json.dumps(
                 r.asDict()), "reason": "malformed JSON or missing order_id/version"}
                 for r in bad.collect()]

@@ -373,12 +373,18 @@ class LeaseChecker(_LeaseBase):
 
     def claim_many(
         self, keys: Sequence[object], *, group: str = "",
-        fingerprints: Sequence[str | None] | None = None,
+        fingerprints: Sequence[str | None] | None = None, token: str | None = None,
     ) -> list[Claim]:
-        """Claim many keys in one round trip; one :class:`Claim` per key, in order."""
+        """Claim many keys in one round trip; one :class:`Claim` per key, in order.
+
+        ``token``: the owner token of every key claimed (default: a fresh one each).
+        A key this token holds already is ``CLAIMED`` again, so a caller that may
+        repeat the same claim (a recomputed Spark partition) gets its claims back
+        instead of finding its own keys in progress. Use a token once per unit of work.
+        """
         self._check_open()
         return self._drive(claim_many_steps(self.rules, self.keys.build_many(keys, group),
-                                            fingerprints))
+                                            fingerprints, token))
 
     def complete(self, claim: Claim, result: object = NO_RESULT, *,
                  max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES) -> bool:

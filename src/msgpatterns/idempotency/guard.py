@@ -324,9 +324,14 @@ class LeaseRules:
 
 
 def claim_many_steps(rules: LeaseRules, store_keys: Sequence[str],
-                     fingerprints: Sequence[str | None] | None) -> Steps[list[Claim]]:
+                     fingerprints: Sequence[str | None] | None,
+                     token: str | None = None) -> Steps[list[Claim]]:
     """Rule 1 for many keys in ONE ``claim_many`` round trip (each distinct key once);
     a key whose completion write-behind still holds is DONE without asking the store.
+
+    ``token`` owns every claimed key when given (a fresh token per key otherwise): a
+    key that token holds already comes back ``CLAIMED`` - the claim is re-entrant for
+    a caller that may repeat it (a recomputed Spark partition).
 
     A key repeated within the batch is claimed by its first copy; a later copy is
     classified against what the first found, with its own fingerprint, as a message
@@ -344,7 +349,7 @@ def claim_many_steps(rules: LeaseRules, store_keys: Sequence[str],
         if held is not None:
             queued[store_key] = held
         elif store_key not in requests:
-            requests[store_key] = ClaimRequest(store_key, new_token(), fingerprint)
+            requests[store_key] = ClaimRequest(store_key, token or new_token(), fingerprint)
     batch = list(requests.values())
     found: list[Record] = (yield Io("claim_many", batch)) if batch else []
     records = dict(zip(requests, found, strict=True))

@@ -8,6 +8,7 @@ skips a batch the sink has already written.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame
     from sqlalchemy import Connection
 
-__all__ = ["BatchStats", "IdempotentBatch", "idempotent_batch", "streaming_query_id"]
+__all__ = ["BatchStats", "IdempotentBatch", "checkpoint_query_id", "idempotent_batch",
+           "streaming_query_id"]
 
 log = logging.getLogger("msgpatterns.spark")
 
@@ -33,27 +35,54 @@ Write = Callable[["DataFrame", int], Any]
 TransactionalWrite = Callable[["DataFrame", int, "Connection"], Any]
 
 
-def streaming_query_id(df: DataFrame) -> str:
+def streaming_query_id(df: DataFrame, checkpoint: str | None = None) -> str:
     """The id of the streaming query whose micro-batch ``df`` is.
 
-    Spark stores it in the checkpoint: it survives restarts, and a new checkpoint gets
-    a new one. Raises :class:`~msgpatterns.errors.ConfigurationError` outside
-    ``foreachBatch`` or on Spark Connect (which has no SparkContext).
+    Spark stores it in the checkpoint's ``metadata`` file: it survives restarts, and a
+    new checkpoint gets a new one. On a classic session it is read from the
+    ``foreachBatch`` thread's local property; on Spark Connect (whose ``foreachBatch``
+    function runs on the server and is told no query id) from
+    ``<checkpoint>/metadata``, read through the batch's own session (any file system
+    Spark reads). Raises :class:`~msgpatterns.errors.ConfigurationError` outside
+    ``foreachBatch``, and on Connect without ``checkpoint``.
     """
     try:
         context = df.sparkSession.sparkContext
-    except Exception as exc:  # Spark Connect raises its own "not implemented" error
+    except Exception:  # Spark Connect: no SparkContext on this side
+        context = None
+    if context is not None:
+        query_id = context.getLocalProperty(QUERY_ID_PROPERTY)
+        if query_id:
+            return str(query_id)
+    if checkpoint is not None:
+        return checkpoint_query_id(df, checkpoint)
+    if context is None:
         raise ConfigurationError(
-            "msgpatterns.spark needs classic PySpark (a SparkContext on the driver); "
-            f"this DataFrame's session has none: {exc}"
-        ) from exc
-    query_id = context.getLocalProperty(QUERY_ID_PROPERTY)
-    if not query_id:
-        raise ConfigurationError(
-            "no streaming query id: call this from the foreachBatch function of a "
-            "running streaming query"
+            "a Spark Connect foreachBatch function sees no streaming query id: pass "
+            "checkpoint=<the query's checkpointLocation>, or key the ledger on the "
+            "sink alone (BatchLedger(..., scope='sink'))"
         )
-    return str(query_id)
+    raise ConfigurationError(
+        "no streaming query id: call this from the foreachBatch function of a "
+        "running streaming query"
+    )
+
+
+def checkpoint_query_id(df: DataFrame, checkpoint: str) -> str:
+    """The query id kept in ``<checkpoint>/metadata`` (``{"id": "..."}``), read with
+    ``df``'s session: a Spark job, so callers keep the answer."""
+    path = f"{str(checkpoint).rstrip('/')}/metadata"
+    try:
+        first = df.sparkSession.read.text(path).first()
+        query_id = json.loads(first[0])["id"] if first is not None else None
+    except Exception as exc:
+        raise ConfigurationError(
+            f"cannot read the query id from {path}: is {checkpoint!r} the query's "
+            f"checkpointLocation? ({type(exc).__name__})"
+        ) from exc
+    if not isinstance(query_id, str) or not query_id:
+        raise ConfigurationError(f"{path} holds no query id")
+    return query_id
 
 
 @dataclass
@@ -69,7 +98,7 @@ class IdempotentBatch:
     completes; see :func:`idempotent_batch`."""
 
     def __init__(self, write: Write | TransactionalWrite, ledger: BatchLedger,
-                 sink_id: str, *, transactional: bool) -> None:
+                 sink_id: str, *, transactional: bool, checkpoint: str | None = None) -> None:
         if not callable(write):
             raise ConfigurationError("write must be a function (df, batch_id[, conn])")
         if not isinstance(ledger, BatchLedger):
@@ -78,11 +107,35 @@ class IdempotentBatch:
         self.ledger = ledger
         self.sink_id = sink_id
         self.transactional = transactional
+        self.checkpoint = checkpoint
         self.stats = BatchStats()
         self._stats_lock = threading.Lock()
+        self._query_ids: dict[str, str] = {}  # checkpoint -> its query id (it never changes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles (Spark Connect ships the foreachBatch function to the server): the
+        ledger travels as its URL; the stats start again where it lands."""
+        state = dict(self.__dict__)
+        del state["_stats_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stats_lock = threading.Lock()
+
+    def query_id(self, df: DataFrame) -> str:
+        """The query id the ledger keys this batch on ("" for a sink-scoped ledger)."""
+        if self.ledger.scope == "sink":
+            return self.ledger.query_key("")
+        if self.checkpoint is not None and self.checkpoint in self._query_ids:
+            return self._query_ids[self.checkpoint]
+        query_id = streaming_query_id(df, self.checkpoint)
+        if self.checkpoint is not None:
+            self._query_ids[self.checkpoint] = query_id
+        return query_id
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
-        query_id = streaming_query_id(df)
+        query_id = self.query_id(df)
         if self.transactional:
             done = self._write_in_transaction(df, batch_id, query_id)
         else:
@@ -118,16 +171,19 @@ class IdempotentBatch:
 
 @overload
 def idempotent_batch(write: Write, ledger: BatchLedger, sink_id: str, *,
-                     transactional: Literal[False] = False) -> IdempotentBatch: ...
+                     transactional: Literal[False] = False,
+                     checkpoint: str | None = None) -> IdempotentBatch: ...
 
 
 @overload
 def idempotent_batch(write: TransactionalWrite, ledger: BatchLedger, sink_id: str, *,
-                     transactional: Literal[True]) -> IdempotentBatch: ...
+                     transactional: Literal[True],
+                     checkpoint: str | None = None) -> IdempotentBatch: ...
 
 
 def idempotent_batch(write: Write | TransactionalWrite, ledger: BatchLedger, sink_id: str,
-                     *, transactional: bool = False) -> IdempotentBatch:
+                     *, transactional: bool = False,
+                     checkpoint: str | None = None) -> IdempotentBatch:
     """Wrap ``write(df, batch_id)`` for ``foreachBatch`` so each batch is written once.
 
     Before a batch, the ledger is asked whether ``(sink_id, query_id, batch_id)`` was
@@ -153,5 +209,12 @@ def idempotent_batch(write: Write | TransactionalWrite, ledger: BatchLedger, sin
 
     ``sink_id`` names the target (keep it stable across deployments); two sinks of one
     query need two ids.
+
+    ``checkpoint``: the query's ``checkpointLocation``. Needed on Spark Connect, whose
+    ``foreachBatch`` function sees no query id: it is read once from the checkpoint's
+    ``metadata`` file. A ledger with ``scope="sink"`` needs no query id at all. The
+    wrapper pickles, so the same code runs on classic and Connect sessions (on
+    Connect it runs on the server, and so do its ``stats``).
     """
-    return IdempotentBatch(write, ledger, check_sink_id(sink_id), transactional=transactional)
+    return IdempotentBatch(write, ledger, check_sink_id(sink_id), transactional=transactional,
+                           checkpoint=checkpoint)

@@ -6,7 +6,7 @@ A checker (Redis or SQL, the same one ``@idempotent`` consumers use) remembers t
 keys whose effect was applied.
 
 The claim happens on the executors, per partition, with one ``claim_many`` per chunk;
-the survivors are cached so the write and the marking see exactly the rows that were
+the outcomes are cached so the write and the marking see exactly the rows that were
 claimed. Marking (``complete_many``) happens only when the caller says the write
 succeeded; a failed write releases the claims so a re-run writes those rows again.
 """
@@ -14,22 +14,22 @@ succeeded; a failed write releases the claims so a re-run writes those rows agai
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError
-from msgpatterns.idempotency.base import BatchChecker, Checker
+from msgpatterns.idempotency.base import Checker, LeaseChecker
 from msgpatterns.idempotency.records import Claim, Status
 from msgpatterns.idempotency.spec import CheckerSpec, checker_from_url
 from msgpatterns.spark.resources import checker_for
 
 if TYPE_CHECKING:
-    from pyspark import Accumulator
-    from pyspark.sql import DataFrame, Row
+    import pyarrow as pa
+    from pyspark.sql import DataFrame
 
 __all__ = ["DedupStats", "DedupedRows", "dedup_rows"]
 
@@ -40,8 +40,12 @@ CHUNK = 1000
 
 _STORE_KEY = "__msgpatterns_dedup_key"
 _TOKEN = "__msgpatterns_dedup_token"
+_STATUS = "__msgpatterns_dedup_status"
+_SETTLED = "__msgpatterns_dedup_settled"
 #: Checker kinds whose state other processes can see.
 _SHARED_KINDS = ("redis", "sql")
+#: What a claim found, per row (the statuses a row can have after ``claim_many``).
+_KEPT, _HELD, _DONE = "claimed", "in_progress", "done"
 
 
 @dataclass(frozen=True)
@@ -54,60 +58,78 @@ class DedupStats:
 
 
 class _ClaimPartition:
-    """``mapPartitions``: claim each key; drop DONE keys; keep claimed and in-progress
-    ones, with the claim's store key and token (None when not ours)."""
+    """``mapInArrow``: claim each key with the call's owner token and add the claim's
+    store key, token (None when not ours) and outcome to the row.
 
-    def __init__(self, spec: CheckerSpec, key: str, group: str,
-                 counters: tuple[Accumulator[int], Accumulator[int]]) -> None:
+    The token is the same for every task of one :func:`dedup_rows` call, so a task that
+    runs again (a lost executor's cached blocks, a re-attempt, a speculative copy)
+    finds its keys held by that token and gets them back ``CLAIMED``.
+    """
+
+    def __init__(self, spec: CheckerSpec, key: str, group: str, token: str) -> None:
         self.spec = spec
         self.key = key
         self.group = group
-        self.counters = counters
+        self.token = token
 
-    def __call__(self, partition: Iterable[Row]) -> Iterator[tuple[Any, ...]]:
-        rows = iter(partition)
-        checker = _batch_checker(self.spec)
-        dropped = in_progress = 0
-        while chunk := list(islice(rows, CHUNK)):
-            claims = checker.claim_many([row[self.key] for row in chunk], group=self.group)
-            for row, claim in zip(chunk, claims, strict=True):
-                if claim.status is Status.DONE:
-                    dropped += 1
-                    continue
-                if claim.status is not Status.CLAIMED:
-                    in_progress += 1  # someone else's lease: written, at least once
-                yield (*row, claim.key, claim.token)
-        self.counters[0].add(dropped)
-        self.counters[1].add(in_progress)
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        checker = _lease_checker(self.spec)
+        for batch in batches:
+            for start in range(0, batch.num_rows, CHUNK):
+                chunk = batch.slice(start, CHUNK)
+                keys = chunk.column(self.key).to_pylist()
+                claims = checker.claim_many(keys, group=self.group, token=self.token)
+                yield pa.RecordBatch.from_arrays(
+                    [*chunk.columns,
+                     pa.array([c.key for c in claims], pa.string()),
+                     pa.array([c.token for c in claims], pa.string()),
+                     pa.array([_outcome(c) for c in claims], pa.string())],
+                    names=[*chunk.schema.names, _STORE_KEY, _TOKEN, _STATUS],
+                )
+
+
+def _outcome(claim: Claim) -> str:
+    if claim.status is Status.DONE:
+        return _DONE
+    return _KEPT if claim.claimed else _HELD  # another owner's lease: written, at least once
 
 
 class _SettlePartition:
-    """``foreachPartition`` over (key, store key, token): complete or release the claims.
+    """``mapInArrow`` over (key, store key, token): complete or release the claims and
+    yield how many were settled.
 
     Completing also marks keys that were in progress at claim time when their lease has
     expired since; a key another owner still holds is left to that owner.
     """
 
-    def __init__(self, spec: CheckerSpec, group: str, complete: bool,
-                 counter: Accumulator[int]) -> None:
+    def __init__(self, spec: CheckerSpec, group: str, token: str, complete: bool) -> None:
         self.spec = spec
         self.group = group
+        self.token = token
         self.complete = complete
-        self.counter = counter
 
-    def __call__(self, rows: Iterator[Row]) -> None:
-        checker = _batch_checker(self.spec)
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        checker = _lease_checker(self.spec)
         settled = 0
-        while chunk := list(islice(rows, CHUNK)):
-            ours = [Claim(r[1], Status.CLAIMED, r[2]) for r in chunk if r[2] is not None]
-            if not self.complete:
-                settled += sum(checker.release_many(ours)) if ours else 0
-                continue
-            others = [r[0] for r in chunk if r[2] is None]
-            if others:
-                ours += [c for c in checker.claim_many(others, group=self.group) if c.claimed]
-            settled += sum(checker.complete_many(ours)) if ours else 0
-        self.counter.add(settled)
+        for batch in batches:
+            for start in range(0, batch.num_rows, CHUNK):
+                keys, store_keys, tokens = (
+                    column.to_pylist() for column in batch.slice(start, CHUNK).columns)
+                ours = [Claim(s, Status.CLAIMED, t)
+                        for s, t in zip(store_keys, tokens, strict=True) if t is not None]
+                if not self.complete:
+                    settled += sum(checker.release_many(ours)) if ours else 0
+                    continue
+                others = [k for k, t in zip(keys, tokens, strict=True) if t is None]
+                if others:
+                    ours += [c for c in checker.claim_many(others, group=self.group,
+                                                           token=self.token) if c.claimed]
+                settled += sum(checker.complete_many(ours)) if ours else 0
+        yield pa.RecordBatch.from_pydict({_SETTLED: pa.array([settled], pa.int64())})
 
 
 class DedupedRows:
@@ -123,13 +145,17 @@ class DedupedRows:
     """
 
     def __init__(self, claimed: DataFrame, spec: CheckerSpec, key: str, group: str,
-                 stats: DedupStats) -> None:
+                 token: str, stats: DedupStats) -> None:
+        from pyspark.sql import functions as F
+
         self._claimed = claimed
         self._spec = spec
         self._key = key
         self._group = group
+        self._token = token
+        self._kept = claimed.where(F.col(_STATUS) != _DONE)
         #: One row per key not seen DONE (the original columns only).
-        self.df: DataFrame = claimed.drop(_STORE_KEY, _TOKEN)
+        self.df: DataFrame = self._kept.drop(_STORE_KEY, _TOKEN, _STATUS)
         self.stats = stats
         self.settled = False
 
@@ -142,17 +168,19 @@ class DedupedRows:
         return self._settle(complete=False)
 
     def _settle(self, *, complete: bool) -> int:
+        from pyspark.sql import functions as F
+
         if self.settled:
             raise ConfigurationError("these rows were committed or released already")
         self.settled = True
-        counter = self._claimed.sparkSession.sparkContext.accumulator(0)
         try:
-            self._claimed.select(self._key, _STORE_KEY, _TOKEN).foreachPartition(
-                _SettlePartition(self._spec, self._group, complete, counter)
-            )
+            settle = _SettlePartition(self._spec, self._group, self._token, complete)
+            total = (self._kept.select(self._key, _STORE_KEY, _TOKEN)
+                     .mapInArrow(settle, f"{_SETTLED} long")
+                     .agg(F.sum(_SETTLED)).first())
         finally:
             self._claimed.unpersist()
-        return int(counter.value)
+        return int(total[0] or 0) if total is not None else 0
 
     def __enter__(self) -> DedupedRows:
         return self
@@ -190,8 +218,15 @@ def dedup_rows(df: DataFrame, checker_spec: CheckerSpec | Checker | str, key: st
     lease and a re-run writes those rows again - pair with
     :func:`~msgpatterns.spark.idempotent_batch` and an idempotent write.
 
+    Every claim of one call is made with one owner token, so a partition Spark
+    computes again (cached blocks lost with an executor, a task re-attempt or a
+    speculative copy) gets the same claims back: the write sees the same rows and
+    ``commit`` marks them all.
+
     Runs one Spark job now (claiming, results cached); ``commit``/``release`` run one
-    more. A null or empty key fails the job (``ValueError``): filter such rows first.
+    more. Uses DataFrame and Arrow APIs only: works on classic and Spark Connect
+    sessions. A null or empty key fails the job (``ValueError``): filter such rows
+    first.
     """
     require("pyspark", "spark")
     spec = _spec_of(checker_spec)
@@ -201,24 +236,25 @@ def dedup_rows(df: DataFrame, checker_spec: CheckerSpec | Checker | str, key: st
     from pyspark.sql.types import StringType, StructField, StructType
 
     unique = df.dropDuplicates([key])
-    context = df.sparkSession.sparkContext
-    counters = (context.accumulator(0), context.accumulator(0))
+    token = uuid.uuid4().hex  # the owner of every claim this call makes
     schema = StructType([*unique.schema.fields,
-                         StructField(_STORE_KEY, StringType(), False),
-                         StructField(_TOKEN, StringType(), True)])
-    rows = unique.rdd.mapPartitions(_ClaimPartition(spec, key, group, counters))
-    claimed = df.sparkSession.createDataFrame(rows, schema, verifySchema=False)
+                         StructField(_STORE_KEY, StringType(), True),
+                         StructField(_TOKEN, StringType(), True),
+                         StructField(_STATUS, StringType(), True)])
+    claimed = unique.mapInArrow(_ClaimPartition(spec, key, group, token), schema)
     claimed.persist(StorageLevel.MEMORY_AND_DISK)
-    kept = claimed.count()  # claims now, once; the write and commit read the cache
-    stats = DedupStats(kept=kept, dropped=int(counters[0].value),
-                       in_progress=int(counters[1].value))
-    return DedupedRows(claimed, spec, key, group, stats)
+    # claims now, once; the write and the commit read the cache (or claim again with
+    # the same token if the cache is lost)
+    found = {str(row[0]): int(row[1]) for row in claimed.groupBy(_STATUS).count().collect()}
+    stats = DedupStats(kept=found.get(_KEPT, 0) + found.get(_HELD, 0),
+                       dropped=found.get(_DONE, 0), in_progress=found.get(_HELD, 0))
+    return DedupedRows(claimed, spec, key, group, token, stats)
 
 
-def _batch_checker(spec: CheckerSpec) -> BatchChecker:
+def _lease_checker(spec: CheckerSpec) -> LeaseChecker:
     """This process's checker for ``spec``, with its batch claims."""
     checker = checker_for(spec)
-    assert isinstance(checker, BatchChecker), checker  # redis and sql kinds only
+    assert isinstance(checker, LeaseChecker), checker  # redis and sql kinds only
     return checker
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from msgpatterns._extras import require
 from msgpatterns.errors import ConfigurationError
@@ -37,6 +37,12 @@ T = TypeVar("T")
 #: Longest sink id (it is part of the primary key).
 SINK_ID_MAX = 200
 
+#: What the ledger's batch ids are counted under: the streaming query (its checkpoint),
+#: or the sink alone.
+Scope = Literal["query", "sink"]
+#: The query id stored for every batch of a ledger keyed on the sink alone.
+SINK_SCOPE_QUERY_ID = ""
+
 
 def ledger_table(name: str, metadata: sa.MetaData | None = None) -> sa.Table:
     """The ledger's table definition (primary key: sink, query, batch)."""
@@ -60,8 +66,18 @@ class BatchLedger:
             ``retain`` batches; Spark only ever re-runs its last batch). None keeps all.
         policy: retries when the database fails transiently.
         engine_options: keyword arguments for ``create_engine`` when ``url`` is a URL.
+        scope: ``"query"`` (default) counts batch ids per streaming query: a new
+            checkpoint is a new query id, its batches are written even where the ids
+            repeat. ``"sink"`` counts them per ``sink_id`` alone (Delta's
+            ``txnAppId``): a new checkpoint over input the sink already processed does
+            not write it again - but a new checkpoint over *new* input whose batch ids
+            restart at 0 is skipped up to the last recorded id (call :meth:`forget`
+            when you reset a checkpoint on purpose). It also needs no query id, which
+            a Spark Connect ``foreachBatch`` function cannot see.
 
-    The ledger lives on the driver; executors never touch it. It never changes the
+    The ledger pickles (to reach a Spark Connect server with its ``foreachBatch``
+    function): it travels as its URL and options and builds its engine where it is
+    used; an ``Engine`` passed in travels as its URL. It never changes the
     characteristics (isolation level, autocommit) of the engine's connections: each
     read runs on a plain connection, each write in a short transaction committed at
     once, so a connection the server dropped is invalidated by SQLAlchemy as usual and
@@ -77,13 +93,20 @@ class BatchLedger:
         policy: StorePolicy | None = None,
         engine_options: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
+        scope: Scope = "query",
     ) -> None:
         if retain is not None and retain < 1:
             raise ConfigurationError("retain must be at least 1 (or None to keep every row)")
+        if scope not in ("query", "sink"):
+            raise ConfigurationError('scope must be "query" or "sink"')
+        self._given: Engine | None = None
         if isinstance(url, str):
-            self.engine: Engine = SqlSpec.of(url, engine_options).engine()
+            self.sql = SqlSpec.of(url, engine_options)
+            self.sql.engine()  # a bad URL fails here, not at the first batch
         else:
-            self.engine = url
+            self._given = url
+            self.sql = SqlSpec.of(url.url, engine_options)
+        self.scope: Scope = scope
         self.table = ledger_table(table)
         self.retain = retain
         self.policy = policy if policy is not None else StorePolicy()
@@ -91,6 +114,25 @@ class BatchLedger:
         self._transient = _sql.transient_errors()
         self._ensure = _sql.OnFirstUse(
             lambda: self._io(lambda: _sql.create_table(self.engine, self.table), "create_table"))
+
+    @property
+    def engine(self) -> Engine:
+        """The engine given, else this process's engine for the ledger's URL."""
+        return self._given if self._given is not None else self.sql.engine()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"sql": self.sql, "table": self.table.name, "retain": self.retain,
+                "policy": self.policy, "clock": self.clock, "scope": self.scope}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        sql: SqlSpec = state["sql"]
+        self.__init__(sql.url, state["table"], retain=state["retain"],  # type: ignore[misc]
+                      policy=state["policy"], engine_options=sql.engine_options,
+                      clock=state["clock"], scope=state["scope"])
+
+    def query_key(self, query_id: str) -> str:
+        """The query id rows are stored under: ``query_id``, or "" for scope "sink"."""
+        return SINK_SCOPE_QUERY_ID if self.scope == "sink" else query_id
 
     # -- schema ---------------------------------------------------------------------------
 
@@ -195,8 +237,8 @@ class BatchLedger:
         return self.policy.call(fn, self._transient, what=f"BatchLedger.{what}")
 
     def __repr__(self) -> str:
-        url = self.engine.url.render_as_string(hide_password=True)
-        return f"BatchLedger({url!r}, table={self.table.name!r})"
+        scope = ", scope='sink'" if self.scope == "sink" else ""
+        return f"BatchLedger({self.sql.safe_url!r}, table={self.table.name!r}{scope})"
 
 
 def check_sink_id(sink_id: str) -> str:

@@ -26,8 +26,8 @@ require("sqlalchemy", "spark")
 
 
 if TYPE_CHECKING:
-    from pyspark import Accumulator
-    from pyspark.sql import DataFrame, Row
+    import pyarrow as pa
+    from pyspark.sql import DataFrame
     from sqlalchemy import URL
 
     from msgpatterns.ordering.version_guard import VersionGuard
@@ -38,6 +38,10 @@ __all__ = ["UpsertResult", "upsert_latest"]
 _LATEST = "__msgpatterns_latest"
 _ROWS = "__msgpatterns_rows"
 _MISSING = "__msgpatterns_missing_version"
+# Columns of the per-partition counts the write yields.
+_KEYS = "__msgpatterns_keys"
+_WRITTEN = "__msgpatterns_written"
+_COUNTS = f"{_ROWS} long, {_KEYS} long, {_WRITTEN} long"
 
 
 @dataclass(frozen=True)
@@ -81,29 +85,36 @@ class _Target:
 
 
 class _WritePartition:
-    """The ``foreachPartition`` function: one connection, chunks of ``batch_size`` rows,
-    each chunk one statement in its own transaction (retried on a lost connection).
+    """The ``mapInArrow`` function: one connection, chunks of ``batch_size`` rows,
+    each chunk one statement in its own transaction (retried on a lost connection);
+    yields one row of counts (input rows, keys, rows written) for the partition.
 
     On PostgreSQL through psycopg 3 a chunk is COPYed into a staging table and written
     by one ``INSERT ... SELECT ... ON CONFLICT DO UPDATE ... WHERE`` older: Spark already
     keeps one row per key, so the rows go as they are, without a per-row mapping.
     """
 
-    def __init__(self, target: _Target, batch_size: int,
-                 counters: tuple[Accumulator[int], Accumulator[int], Accumulator[int]]) -> None:
+    def __init__(self, target: _Target, batch_size: int) -> None:
         self.target = target
         self.batch_size = batch_size
-        self.counters = counters
 
-    def __call__(self, rows: Iterator[Row]) -> None:
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+
+        rows, keys, written = self._write(batches)
+        yield pa.RecordBatch.from_pydict({_ROWS: pa.array([rows], pa.int64()),
+                                          _KEYS: pa.array([keys], pa.int64()),
+                                          _WRITTEN: pa.array([written], pa.int64())})
+
+    def _write(self, batches: Iterator[pa.RecordBatch]) -> tuple[int, int, int]:
         from msgpatterns.sql_sink import copy_connection
 
         tally = [0]  # input rows behind the records read so far
         names: list[str] = []
-        records = self._records(rows, tally, names)
+        records = self._records(batches, tally, names)
         chunk = list(islice(records, self.batch_size))
         if not chunk:
-            return  # an empty partition opens no connection
+            return 0, 0, 0  # an empty partition opens no connection
         target = self.target
         guard = target.guard()
         from msgpatterns._sql import transient_errors
@@ -124,27 +135,25 @@ class _WritePartition:
                                               what=f"upsert_latest into {target.table}")
                 keys += len(chunk)
                 chunk = list(islice(records, self.batch_size))
-        rows_counter, keys_counter, written_counter = self.counters
-        rows_counter.add(tally[0])
-        keys_counter.add(keys)
-        written_counter.add(written)
+        return tally[0], keys, written
 
-    def _records(self, rows: Iterator[Row], tally: list[int],
+    def _records(self, batches: Iterator[pa.RecordBatch], tally: list[int],
                  names: list[str]) -> Iterator[tuple[Any, ...]]:
         """The rows to write as value tuples, without the two helper columns (they come
-        last; ``names`` is filled with the column names on the first row); adds the
+        last; ``names`` is filled with the column names on the first batch); adds the
         input rows each stands for to ``tally[0]``."""
         key_at: list[int] = []
-        for row in rows:
+        for batch in batches:
             if not names:
-                names.extend(row.__fields__[:-2])
+                names.extend(batch.schema.names[:-2])
                 key_at = [names.index(k) for k in self.target.key]
-            values = tuple(row[:-2])
-            count, missing = row[-2], row[-1]
-            if missing or any(values[i] is None for i in key_at):
-                self._reject(dict(zip(names, values, strict=True)), count, missing)
-            tally[0] += count
-            yield values
+            columns = [column.to_pylist() for column in batch.columns]
+            for row in zip(*columns, strict=True):
+                values, count, missing = row[:-2], row[-2], row[-1]
+                if missing or any(values[i] is None for i in key_at):
+                    self._reject(dict(zip(names, values, strict=True)), count, missing)
+                tally[0] += count
+                yield values
 
     def _reject(self, record: dict[str, Any], rows: int, missing: int) -> None:
         key = tuple(record[k] for k in self.target.key)
@@ -193,6 +202,9 @@ def upsert_latest(
     version or key fails the job with ``MissingVersion`` / ``MalformedMessage``: filter
     such rows out first. A failed job may have written some chunks; running the batch
     again is safe.
+
+    One ``mapInArrow`` job (no RDD, no accumulator: classic and Spark Connect
+    sessions alike); the counts come back with its result.
     """
     require("pyspark", "spark")
     from pyspark.sql import functions as F
@@ -215,11 +227,12 @@ def upsert_latest(
         )
         .select(*keys, f"{_LATEST}.*", _ROWS, _MISSING)
     )
-    context = df.sparkSession.sparkContext
-    counters = (context.accumulator(0), context.accumulator(0), context.accumulator(0))
-    latest.foreachPartition(_WritePartition(target, batch_size, counters))
-    return UpsertResult(rows=counters[0].value, keys=counters[1].value,
-                        written=counters[2].value)
+    totals = (latest.mapInArrow(_WritePartition(target, batch_size), _COUNTS)
+              .agg(F.sum(_ROWS), F.sum(_KEYS), F.sum(_WRITTEN)).first())
+    if totals is None:
+        return UpsertResult(0, 0, 0)
+    return UpsertResult(rows=int(totals[0] or 0), keys=int(totals[1] or 0),
+                        written=int(totals[2] or 0))
 
 
 def _check_columns(df: DataFrame, target: _Target) -> None:

@@ -1,0 +1,226 @@
+"""append_rows: append a micro-batch to a SQL table exactly once per partition.
+
+Spark runs a partition's task more than once: a task re-attempt after a failure, a
+speculative copy, a result stage re-run after an executor was lost, the whole batch
+again after a driver crash. A plain ``foreachPartition`` insert then commits the same
+rows twice. Here every partition is written in ONE transaction that first inserts the
+partition's ledger row ``(sink_id, query_id, batch_id, partition)`` in the same
+database: a second attempt finds the row (or waits on its key while the first attempt
+is still open) and writes nothing. Rows and ledger row commit together or not at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from msgpatterns._extras import require
+from msgpatterns.errors import ConfigurationError
+from msgpatterns.spark.batch import streaming_query_id
+from msgpatterns.spark.ledger import SINK_ID_MAX, check_sink_id
+from msgpatterns.spark.resources import SqlSpec
+
+require("sqlalchemy", "spark")
+
+import sqlalchemy as sa  # noqa: E402
+
+from msgpatterns import _sql  # noqa: E402
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame
+    from sqlalchemy import URL
+
+__all__ = ["AppendResult", "append_rows", "partition_ledger_table"]
+
+#: Batches kept per sink and query in the partition ledger (Spark only re-runs its
+#: last batch); older rows are deleted as new batches are written.
+RETAIN = 100
+
+_PARTITION = "__msgpatterns_partition"
+_ROWS = "__msgpatterns_rows"
+_STATE = "__msgpatterns_state"
+#: What one task did with its partition.
+_EMPTY, _WRITTEN, _SKIPPED = 0, 1, 2
+
+
+def partition_ledger_table(name: str, metadata: sa.MetaData | None = None) -> sa.Table:
+    """The partition ledger's table (primary key: sink, query, batch, partition)."""
+    return sa.Table(
+        name, metadata if metadata is not None else sa.MetaData(),
+        sa.Column("sink_id", sa.String(SINK_ID_MAX), primary_key=True),
+        sa.Column("query_id", sa.String(64), primary_key=True),
+        sa.Column("batch_id", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("partition_id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("row_count", sa.BigInteger, nullable=False),
+        sa.Column("recorded_at", sa.BigInteger, nullable=False),  # epoch milliseconds
+    )
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What one :func:`append_rows` call did.
+
+    Attributes:
+        rows: rows inserted by this call.
+        partitions: non-empty partitions written by this call.
+        skipped: non-empty partitions found in the ledger (written before: a replayed
+            batch); their rows were not inserted again.
+    """
+
+    rows: int
+    partitions: int
+    skipped: int
+
+
+@dataclass(frozen=True)
+class _Append:
+    """``mapInArrow``: one partition, one transaction, one ledger row; yields
+    (partition, rows inserted, what happened)."""
+
+    sql: SqlSpec
+    table: str
+    schema: str | None
+    ledger: str
+    sink_id: str
+    query_id: str
+    batch_id: int
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        first = next(batches, None)
+        while first is not None and first.num_rows == 0:
+            first = next(batches, None)
+        rows, state = 0, _EMPTY
+        if first is not None:  # an empty partition writes nothing, not even its ledger row
+            rows, state = self._write(partition, first, batches)
+        yield pa.RecordBatch.from_pydict({
+            _PARTITION: pa.array([partition], pa.int32()),
+            _ROWS: pa.array([rows], pa.int64()),
+            _STATE: pa.array([state], pa.int8()),
+        })
+
+    def _write(self, partition: int, first: pa.RecordBatch,
+               rest: Iterator[pa.RecordBatch]) -> tuple[int, int]:
+        target = self.sql.table(self.table, self.schema)
+        ledger = partition_ledger_table(self.ledger)
+        keys = [ledger.c.sink_id, ledger.c.query_id, ledger.c.batch_id, ledger.c.partition_id]
+        row = {"sink_id": self.sink_id, "query_id": self.query_id, "batch_id": self.batch_id,
+               "partition_id": partition, "row_count": 0,
+               "recorded_at": int(time.time() * 1000)}
+        rows = 0
+        with self.sql.engine().begin() as conn:
+            # the ledger row first: another attempt of this partition waits on its key,
+            # then finds it and writes nothing
+            if not _sql.insert_if_absent(conn, ledger, keys, row):
+                return 0, _SKIPPED
+            insert = target.insert()
+            batch: pa.RecordBatch | None = first
+            while batch is not None:
+                if batch.num_rows:
+                    conn.execute(insert, batch.to_pylist())
+                    rows += batch.num_rows
+                batch = next(rest, None)
+            conn.execute(sa.update(ledger).where(*(c == row[c.key] for c in keys))
+                         .values(row_count=rows))
+        return rows, _WRITTEN
+
+
+def append_rows(
+    df: DataFrame,
+    url: str | URL,
+    table: str,
+    *,
+    sink_id: str,
+    batch_id: int,
+    query_id: str | None = None,
+    checkpoint: str | None = None,
+    schema: str | None = None,
+    ledger_table: str = "msgpatterns_partitions",
+    engine_options: Mapping[str, Any] | None = None,
+) -> AppendResult:
+    """Insert ``df``'s rows into ``table``, each partition exactly once.
+
+    Args:
+        df: the batch (inside ``foreachBatch``); its columns must be columns of
+            ``table``.
+        url: SQLAlchemy URL of PostgreSQL, MySQL/MariaDB or SQLite (a file); the
+            executors connect with it, and the ledger table lives there too.
+        table: an existing table.
+        sink_id: names this sink (stable across deployments; one per target).
+        batch_id: the micro-batch id ``foreachBatch`` gave.
+        query_id: the streaming query's id: by default the running query's (see
+            :func:`~msgpatterns.spark.streaming_query_id`; on Spark Connect give
+            ``checkpoint``). ``""`` keys the ledger on ``sink_id`` alone, so that a new
+            checkpoint over processed input does not append it again (see the docs for
+            the trade-off).
+        checkpoint: the query's ``checkpointLocation``, where Spark Connect finds the
+            query id.
+        schema: the table's schema, if not the default one.
+        ledger_table: the partition ledger table, created on first use.
+        engine_options: keyword arguments for ``sqlalchemy.create_engine``.
+
+    Guarantee: each partition's rows commit in one transaction with the partition's
+    ledger row ``(sink_id, query_id, batch_id, partition)``. A task re-attempt, a
+    speculative copy, a re-run stage or the whole batch replayed after a driver crash
+    finds the row and inserts nothing. It needs **deterministic partitioning**: a
+    re-run of partition ``p`` of batch ``batch_id`` must hold the same rows as the
+    first run (true for file, Kafka and rate sources and for hash-partitioned
+    shuffles; not for ``repartition(n)`` without columns, ``sample`` or
+    ``limit``: use ``repartition(n, *columns)``). An empty partition writes no ledger
+    row.
+
+    Cost: one ledger insert and one update per non-empty partition, in the
+    partition's transaction. Works on classic and Spark Connect sessions (a
+    ``mapInArrow`` job; the counts come back with its result).
+    """
+    require("pyspark", "spark")
+    from pyspark.sql import functions as F
+
+    if not isinstance(batch_id, int) or batch_id < 0:
+        raise ConfigurationError("batch_id must be the micro-batch id (an int >= 0)")
+    if query_id is None:
+        query_id = streaming_query_id(df, checkpoint)
+    if not isinstance(query_id, str) or len(query_id) > 64:
+        raise ConfigurationError("query_id must be a string of at most 64 characters")
+    sql = SqlSpec.of(url, engine_options)
+    columns = set(sql.table(table, schema).columns.keys())
+    unknown = sorted(set(df.columns) - columns)
+    if unknown:
+        raise ConfigurationError(
+            f"table {table!r} has no column(s) {unknown}; select the table's columns "
+            "before append_rows"
+        )
+    ledger = partition_ledger_table(ledger_table)
+    engine = sql.engine()
+    _sql.create_table(engine, ledger)
+    append = _Append(sql, table, schema, ledger_table, check_sink_id(sink_id), query_id,
+                     batch_id)
+    out = f"{_PARTITION} int, {_ROWS} long, {_STATE} tinyint"
+    totals = (df.mapInArrow(append, out)
+              .agg(F.sum(_ROWS), F.count_if(F.col(_STATE) == _WRITTEN),
+                   F.count_if(F.col(_STATE) == _SKIPPED))
+              .first())
+    _forget_old(engine, ledger, append)
+    if totals is None:
+        return AppendResult(0, 0, 0)
+    return AppendResult(rows=int(totals[0] or 0), partitions=int(totals[1] or 0),
+                        skipped=int(totals[2] or 0))
+
+
+def _forget_old(engine: sa.Engine, ledger: sa.Table, append: _Append) -> None:
+    """Delete the ledger rows of batches older than the last ``RETAIN``, every
+    ``RETAIN`` batches."""
+    if not append.batch_id or append.batch_id % RETAIN:
+        return
+    c = ledger.c
+    with engine.begin() as conn:
+        conn.execute(sa.delete(ledger).where(
+            c.sink_id == append.sink_id, c.query_id == append.query_id,
+            c.batch_id <= append.batch_id - RETAIN))
