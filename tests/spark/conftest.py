@@ -9,6 +9,7 @@ Without Java the Spark tests skip (fail under MSGPATTERNS_REQUIRE_SERVICES=1).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,7 +97,7 @@ def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def connect_spark(connect_server: Any) -> Iterator[SparkSession]:
     """A Spark Connect session on that server.
 
@@ -107,9 +108,22 @@ def connect_spark(connect_server: Any) -> Iterator[SparkSession]:
     mode (``msgpatterns.spark.servers.spark_env``)."""
     from pyspark.sql import SparkSession
 
+    mode = {name: os.environ.get(name) for name in _CONNECT_MODE}
     session = SparkSession.builder.remote(connect_server.url).create()
-    yield session
-    session.stop()
+    try:
+        yield session
+    finally:
+        session.stop()
+        # The tests after this one (and the programs they start) run classic again.
+        for name, value in mode.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+#: What pyspark puts in os.environ when a Connect session is created.
+_CONNECT_MODE = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE", "SPARK_LOCAL_REMOTE")
 
 
 @pytest.fixture(scope="session")
