@@ -142,3 +142,20 @@ def test_acks_racing_close_are_sent_or_refused_never_lost(
             again.ack(message)
     finally:
         again.close()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=20), max_size=8))
+def test_coalesced_output_is_the_same_bytes_in_one_chunk(frames: list[bytes]) -> None:
+    from collections import deque
+    from types import SimpleNamespace
+
+    from msgpatterns.brokers.rabbitmq import coalesce_output
+
+    buffers = deque(frames)
+    conn = SimpleNamespace(_impl=SimpleNamespace(_transport=SimpleNamespace(
+        _tx_buffers=buffers)))
+    coalesce_output(conn)
+    assert b"".join(buffers) == b"".join(frames)
+    assert len(buffers) == min(1, len(frames))
+    coalesce_output(SimpleNamespace())  # a pika that looks different: nothing happens
