@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker_harness import delete_rabbitmq_topology, drain, require_library
@@ -159,3 +159,105 @@ def test_coalesced_output_is_the_same_bytes_in_one_chunk(frames: list[bytes]) ->
     assert b"".join(buffers) == b"".join(frames)
     assert len(buffers) == min(1, len(frames))
     coalesce_output(SimpleNamespace())  # a pika that looks different: nothing happens
+
+
+# -- the consume path on the real server: shortcut vs plain twin ---------------------
+
+_STEPS = ["ok", "fail", "retry", "reject", "slow"]
+
+
+def _run_schedule(url: str, topic: str, group: str, steps: list[str], stop_after: int,
+                  plain: bool) -> dict[str, Any]:
+    """Publish one message per step, consume them with a Consumer (stopped and started
+    again after ``stop_after`` handler calls) until every one is handled or dead, and
+    return what happened to each."""
+    from msgpatterns import Backoff, Consumer, NeedRetry, Reject, RetryPolicy
+
+    broker = RabbitMQBroker(url, prefetch=16, queue_type="quorum")
+    if plain:  # the plain twin builds every Message
+        broker._message = RabbitMQBroker._message_plain  # type: ignore[method-assign]
+    calls: list[tuple[int, int]] = []  # (message, attempt) per handler call
+    handled: list[tuple[int, int, str | None]] = []  # (message, attempt, id) that succeeded
+    lock = threading.Lock()
+    stop_now = threading.Event()
+
+    def handler(message: Message) -> None:
+        i = int(message.raw_body)
+        step = steps[i]
+        with lock:
+            calls.append((i, message.attempt))
+            if len(calls) >= stop_after:
+                stop_now.set()
+        if step == "reject":
+            raise Reject("never")
+        if step == "fail" and message.attempt == 1:
+            raise ValueError("first attempt fails")
+        if step == "retry" and message.attempt == 1:
+            raise NeedRetry(0.0)
+        if step == "slow":
+            threading.Event().wait(0.05)  # work that takes a while
+        with lock:
+            handled.append((i, message.attempt, message.id))
+
+    policy = RetryPolicy(max_attempts=3, backoff=Backoff.fixed(0.0), local_retries=0)
+
+    def consumer() -> Any:
+        return Consumer(broker, handler, topics=[topic], group=group, workers=2,
+                        max_in_flight=8, poll_timeout=0.05, retry=policy)
+
+    try:
+        broker.subscribe(topic, group)
+        ids = broker.publish_many(topic, [str(i).encode() for i in range(len(steps))])
+        first = consumer()
+        first.start()
+        stop_now.wait(30)
+        first.stop(10)
+        second = consumer()
+        second.start()
+        expected = sum(step != "reject" for step in steps)
+        give_up = threading.Event()
+        for _ in range(600):
+            with lock:
+                if len({i for i, _, _ in handled}) >= expected:
+                    break
+            give_up.wait(0.05)
+        second.stop(10)
+        dead = broker.dead_letter_admin().list_dead_letters(topic, group)
+    finally:
+        broker.close()
+    return {
+        "handled": sorted((i, attempt, mid == ids[i]) for i, attempt, mid in handled),
+        "dead": sorted(int(record.message.raw_body) for record in dead),
+        "ids_kept": all(record.message.id == ids[int(record.message.raw_body)]
+                        for record in dead),
+    }
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.timeout(600)
+@settings(max_examples=4, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # a URL string
+@given(steps=st.lists(st.sampled_from(_STEPS), min_size=3, max_size=7),
+       stop=st.integers(1, 6))
+def test_consume_path_matches_the_plain_twin_on_generated_schedules(
+    rabbitmq_url: str, steps: list[str], stop: int
+) -> None:
+    import uuid
+
+    outcomes = []
+    for plain in (False, True):
+        topic, group = f"fpd-{uuid.uuid4().hex[:10]}", "g"
+        try:
+            outcomes.append(_run_schedule(rabbitmq_url, topic, group, steps,
+                                          min(stop, len(steps)), plain))
+        finally:
+            delete_rabbitmq_topology(rabbitmq_url, topic, group)
+    fast, plain_run = outcomes
+    assert fast == plain_run
+    # and both are what the schedule says: each message's effect exactly once, on
+    # the attempt the schedule allows; rejects dead-lettered; ids kept throughout
+    want = sorted((i, 2 if step in ("fail", "retry") else 1, True)
+                  for i, step in enumerate(steps) if step != "reject")
+    assert fast["handled"] == want
+    assert fast["dead"] == [i for i, step in enumerate(steps) if step == "reject"]
+    assert fast["ids_kept"]
