@@ -6,10 +6,12 @@ measured in the same run.
 2. Flush latency at a low rate (batches never fill): time from ``add`` to the start of
    the processor call, p50/p99. Goal: p99 <= flush_interval + 5 ms. For comparison
    only, the same arrivals through a thread that flushes everything every interval.
-3. PostgreSQL: 100k rows through a Flusher (batch 500, SQLAlchemy Core executemany)
-   vs single-row inserts, both as a handler would do them (one transaction per message)
-   and all in one transaction. Goal: >= 10x the rows/s of single-row inserts. Also
-   reported: the same batches written by a plain loop (the Flusher's own cost).
+3. PostgreSQL: 100k rows through a Flusher (batch 500) with the library's processor,
+   ``SqlSink`` (COPY on psycopg 3), vs single-row inserts, both as a handler would do
+   them (one transaction per message) and all in one transaction. Goal: >= 10x the
+   rows/s of single-row inserts. Also reported: the Flusher with a hand-written
+   processor (SQLAlchemy Core executemany) against the same baselines, and the same
+   batches written by a plain loop (the Flusher's own cost).
 4. PostgreSQL (psycopg 3): the same 100k rows through a Flusher whose processor is
    ``SqlSink`` (each batch by COPY) vs a hand loop of executemany of the same batches,
    one transaction per batch in both. Goal: > 1.0x (reported: the ratio).
@@ -323,11 +325,17 @@ def bench_postgres(url: str, n: int, baseline_rows: int, repeats: int) -> None:
     bench_line("batching", "flusher_sql_sink_vs_hand_executemany_rows_per_s", sink, hand,
                sink / hand, "> 1.0x", sink / hand > 1.0, rows=n, batch_size=500,
                driver=engine.dialect.driver)
+    print(f"postgres: Flusher + SqlSink {sink / one_tx:.1f}x single rows in one transaction; "
+          f"Flusher + hand executemany {ours / one_tx:.1f}x")
     for metric, baseline in (("rows_per_s_vs_single_row_per_transaction", per_tx),
                              ("rows_per_s_vs_single_row_one_transaction", one_tx)):
-        bench_line("batching", metric, ours, baseline, ours / baseline, ">= 10x",
-                   ours / baseline >= 10, rows=n, baseline_rows=baseline_rows,
+        bench_line("batching", metric, sink, baseline, sink / baseline, ">= 10x",
+                   sink / baseline >= 10, rows=n, baseline_rows=baseline_rows,
+                   processor="SqlSink", driver=engine.dialect.driver,
                    direct_executemany_rows_per_s=round(direct))
+        bench_line("batching", f"executemany_{metric}", ours, baseline, ours / baseline,
+                   "reported (no goal)", True, rows=n, baseline_rows=baseline_rows,
+                   processor="hand-written executemany")
 
 
 # -- main ---------------------------------------------------------------------------

@@ -7,7 +7,9 @@ retry decision, broker ack). Goal: at most 20 us added per message.
 Telemetry (issue 14): the same run with telemetry off (no listener: the default), with
 OpenTelemetry metrics only (``instrument(tracing=False)``) and with tracing and metrics
 on (an SDK ``TracerProvider`` whose spans go through a ``BatchSpanProcessor`` to an
-exporter that drops them, and an SDK ``MeterProvider``). The modes alternate within
+exporter that drops them, and an SDK ``MeterProvider``), and the same with a sampler
+that keeps 1% of the traces (``tracing-sampled``, ``ParentBased(TraceIdRatioBased(0.01))``:
+what a busy service runs; goal: at most 40 us added per message). The modes alternate within
 each repeat so that a noisy machine hits them alike; the figure is the best of the
 repeats. Off must stay what it was before the hooks (compare with an older checkout:
 ``PYTHONPATH=<old>/src python benchmarks/bench_runtime.py --modes off``). Each line
@@ -80,12 +82,16 @@ def telemetry(mode: str) -> Iterator[None]:
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
             return SpanExportResult.SUCCESS
 
-    tracer_provider = TracerProvider()
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    # "tracing-sampled": a sampler that keeps 1% of the traces and drops the rest.
+    sampler = ParentBased(TraceIdRatioBased(0.01)) if mode == "tracing-sampled" else None
+    tracer_provider = TracerProvider(sampler=sampler)
     tracer_provider.add_span_processor(BatchSpanProcessor(Drop()))
     meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
     try:
         with instrument(tracer_provider=tracer_provider, meter_provider=meter_provider,
-                        tracing=mode == "tracing"):
+                        tracing=mode.startswith("tracing")):
             yield
     finally:
         tracer_provider.shutdown()
@@ -107,8 +113,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--messages", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", default="off,metrics,tracing",
-                        help="comma-separated: off, metrics, tracing")
+    parser.add_argument("--modes", default="off,metrics,tracing,tracing-sampled",
+                        help="comma-separated: off, metrics, tracing (every span kept), "
+                             "tracing-sampled (a sampler keeping 1%% of the traces)")
     args = parser.parse_args()
     n = args.messages
     modes = [m for m in args.modes.split(",") if m]

@@ -427,3 +427,37 @@ def test_transactional_checker_round_trips_are_reported_under_its_name(
     by_operation = {p.attributes.get("msgpatterns.operation"): int(p.value) for p in points}
     assert by_operation == {"claim": 5, "commit": 5}
     engine.dispose()
+
+
+def test_counts_stay_exact_per_consumer_as_consumers_come_and_go(otel: Otel) -> None:
+    """The listener caches each consumer's series (by identity, topics included);
+    consumers created and dropped one after another - possibly at the same address -
+    still get exactly their own counts, per topic and outcome."""
+    import gc
+
+    expected: Counter[tuple[str, str, str]] = Counter()
+    for round_ in range(6):
+        broker = InMemoryBroker()
+        group = f"g{round_ % 3}"
+        topics = ["a", "b"] if round_ % 2 else ["a"]
+        for i in range(5 + round_):
+            broker.publish(topics[i % len(topics)], "poison" if i % 4 == 3 else "ok")
+
+        def handle(message: Message) -> None:
+            if message.body == "poison":
+                raise Reject("bad")
+
+        stats = Consumer(broker, handle, topics=topics, group=group).run_until_idle(
+            timeout=10)
+        for i in range(5 + round_):
+            outcome = "dead_lettered" if i % 4 == 3 else "acked"
+            expected[group, topics[i % len(topics)], outcome] += 1
+        assert stats.acked + stats.dead_lettered == 5 + round_
+        del broker, handle
+        gc.collect()
+    for (group, topic, outcome), count in expected.items():
+        assert otel.total("msgpatterns.consumer.deliveries", **{
+            "messaging.consumer.group.name": group, "messaging.destination.name": topic,
+            "msgpatterns.outcome": outcome}) == count, (group, topic, outcome)
+    assert sum(p.count for p in otel.points("messaging.process.duration")) \
+        == sum(expected.values())

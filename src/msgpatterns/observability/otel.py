@@ -192,6 +192,14 @@ class OpenTelemetry(Listener):
             weakref.WeakKeyDictionary()
         )
         self._totals = _Totals(meter)
+        #: id(consumer) -> (a weak reference to it, its attributes): one dict lookup
+        #: per delivery instead of a WeakKeyDictionary's (which makes a weakref each).
+        self._by_id: dict[int, tuple[weakref.ref[Consumer], Key]] = {}
+        #: (consumer attributes, topic) -> the duration attributes; (consumer
+        #: attributes, topic, counter) -> (metric, unit, series key). Made once each
+        #: (topics are few; bounded all the same), never mutated.
+        self._destinations: dict[tuple[Key, str], dict[str, Any]] = {}
+        self._series: dict[tuple[Key, str, str], tuple[str, str, Key]] = {}
         self._process_duration = meter.create_histogram(
             "messaging.process.duration", "s", "Handler duration per delivery",
             explicit_bucket_boundaries_advisory=_SECONDS)
@@ -211,13 +219,44 @@ class OpenTelemetry(Listener):
     # -- helpers ----------------------------------------------------------------------
 
     def _consumer_key(self, consumer: Consumer) -> Key:
-        key = self._consumers.get(consumer)
-        if key is None:
-            key = (("messaging.system", messaging_system(consumer.broker)),
-                   ("messaging.consumer.group.name", consumer.group))
-            with self._lock:
-                self._consumers[consumer] = key
+        entry = self._by_id.get(id(consumer))
+        if entry is not None and entry[0]() is consumer:
+            return entry[1]
+        key = (("messaging.system", messaging_system(consumer.broker)),
+               ("messaging.consumer.group.name", consumer.group))
+        ident = id(consumer)
+        by_id = self._by_id
+        with self._lock:
+            self._consumers[consumer] = key
+            by_id[ident] = (weakref.ref(consumer, lambda _: by_id.pop(ident, None)), key)
         return key
+
+    def _destination_attributes(self, consumer: Consumer, topic: str) -> dict[str, Any]:
+        base = self._consumer_key(consumer)
+        attributes = self._destinations.get((base, topic))
+        if attributes is None:
+            attributes = dict(base)
+            attributes["messaging.destination.name"] = topic
+            if len(self._destinations) < 10_000:
+                self._destinations[base, topic] = attributes
+        return attributes
+
+    def _series_of(self, base: Key, topic: str | None, name: str) -> tuple[str, str, Key]:
+        """The metric, unit and series key that counter ``name`` of a consumer adds to."""
+        cache_key = (base, topic or "", name)
+        found = self._series.get(cache_key)
+        if found is not None and topic is not None:
+            return found
+        key = base if topic is None else (*base, ("messaging.destination.name", topic))
+        outcome = CONSUMER_OUTCOMES.get(name)
+        if outcome is not None:
+            found = ("msgpatterns.consumer.deliveries", "{delivery}",
+                     (*key, ("msgpatterns.outcome", outcome.value)))
+        else:
+            found = (f"msgpatterns.consumer.{name}", "{message}", key)
+        if topic is not None and len(self._series) < 10_000:
+            self._series[cache_key] = found
+        return found
 
     def _observe_in_flight(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._lock:
@@ -230,23 +269,16 @@ class OpenTelemetry(Listener):
 
     def consumer_counted(self, consumer: Consumer, counts: Mapping[str, int],
                          message: Message | None = None) -> None:
-        key = self._consumer_key(consumer)
-        if message is not None:
-            key += (("messaging.destination.name", message.topic),)
+        base = self._consumer_key(consumer)
+        topic = None if message is None else message.topic
         add = self._totals.add
         for name, count in counts.items():
-            if not count:
-                continue
-            outcome = CONSUMER_OUTCOMES.get(name)
-            if outcome is not None:
-                add("msgpatterns.consumer.deliveries", "{delivery}", count,
-                    (*key, ("msgpatterns.outcome", outcome.value)))
-            else:
-                add(f"msgpatterns.consumer.{name}", "{message}", count, key)
+            if count:
+                metric, unit, key = self._series_of(base, topic, name)
+                add(metric, unit, count, key)
 
     def delivery_started(self, consumer: Consumer, message: Message) -> DeliveryScope:
-        attributes = dict(self._consumer_key(consumer))
-        attributes["messaging.destination.name"] = message.topic
+        attributes = self._destination_attributes(consumer, message.topic)
         tracer = self.tracer
         if tracer is None:
             return _Scope(self, None, None, attributes)
@@ -271,8 +303,12 @@ class OpenTelemetry(Listener):
 
     def delivery_settled(self, consumer: Consumer, message: Message, counted: list[str],
                          error: BaseException | None) -> None:
-        self.consumer_counted(consumer, _Tally(counted) if len(counted) > 1
-                              else dict.fromkeys(counted, 1), message)
+        if len(counted) == 1:  # the common case: one counter, one series
+            metric, unit, key = self._series_of(self._consumer_key(consumer),
+                                                message.topic, counted[0])
+            self._totals.add(metric, unit, 1, key)
+        else:
+            self.consumer_counted(consumer, _Tally(counted), message)
         with self._lock:
             span = self._spans.pop(message, None)
         if span is None:
