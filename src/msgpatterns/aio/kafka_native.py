@@ -68,6 +68,7 @@ from msgpatterns.errors import (
     ConfigurationError,
     seconds,
 )
+from msgpatterns.limits import DEFAULT_MAX_MESSAGE_BYTES, check_max_message_bytes
 from msgpatterns.message import Message
 
 aiokafka = require("aiokafka", "kafka")
@@ -145,6 +146,9 @@ class AIOKafkaBroker:
         delivery_timeout: seconds to wait for a produced record's acknowledgement (and
             for a group to be left on close).
         connect_timeout: seconds a client may take to reach the cluster.
+        max_message_bytes: the largest record (value plus headers plus key) handed
+            to the handler; a larger one is dead-lettered with the reason, its value
+            kept (None: no bound; see :mod:`msgpatterns.limits`).
     """
 
     @renamed_arguments(bootstrap_or_config="url")
@@ -158,7 +162,9 @@ class AIOKafkaBroker:
         dead_letter_suffix: str = ".DLT",
         delivery_timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        self.max_message_bytes = check_max_message_bytes(max_message_bytes)
         if not isinstance(url, str) or not url:
             raise ConfigurationError("AIOKafkaBroker needs 'host:port' or a kafka:// URL, "
                                      f"got {url!r}")
@@ -502,7 +508,8 @@ class AIOKafkaBroker:
             return None, False
         tracker = state.tracker(where)
         view = _view(record)
-        verdict = judge(view, state.retry_topics, group, now)
+        verdict = judge(view, state.retry_topics, group, now,
+                        limit=self.max_message_bytes)
         if verdict.action == "reject":
             assert verdict.problem is not None
             letter, unreadable = malformed_letter(view, verdict.topic, group,

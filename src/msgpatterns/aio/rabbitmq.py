@@ -77,6 +77,11 @@ from msgpatterns.errors import (
     describe,
     seconds,
 )
+from msgpatterns.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    check_max_message_bytes,
+    check_message_size,
+)
 from msgpatterns.message import Message
 
 aio_pika = require("aio_pika", "rabbitmq")
@@ -140,12 +145,18 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
             :class:`~msgpatterns.errors.BrokerUnavailable`.
         ack_window: batch the acks of one loop turn (``basic_ack(multiple=True)`` over
             the settled prefix); False sends one ``basic_ack`` per delivery.
+        max_message_bytes: the largest delivery (body plus headers) handed to the
+            handler; a larger one is dead-lettered with the reason (a
+            :class:`~msgpatterns.limits.MessageTooLarge`), its body kept (None: no
+            bound; see :mod:`msgpatterns.limits`).
     """
 
     def __init__(self, url: str, *, prefetch: int = 100, exchange: str = "{topic}",
                  queue: str = "{topic}.{group}", queue_type: str | None = "quorum",
                  declare: bool = True, name: str | None = None,
-                 connect_timeout: float = 5.0, ack_window: bool = True) -> None:
+                 connect_timeout: float = 5.0, ack_window: bool = True,
+                 max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.max_message_bytes = check_max_message_bytes(max_message_bytes)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigurationError(f"prefetch must be an integer >= 1, got {prefetch!r}")
         if not isinstance(url, str):
@@ -503,6 +514,8 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
             return  # back on its queue on the server already
         receipt = _Receipt(incoming, queue, group, link)
         try:
+            check_message_size(incoming.body, incoming.headers,
+                               limit=self.max_message_bytes)
             message = _message(topic, incoming)
         except Exception as exc:
             await self._dead_letter_malformed(receipt, topic, exc)

@@ -64,6 +64,7 @@ from msgpatterns.brokers.redis_streams import (
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerClosed, BrokerError
+from msgpatterns.limits import DEFAULT_MAX_MESSAGE_BYTES
 from msgpatterns.message import Message
 
 redis = require("redis", "redis")
@@ -99,8 +100,9 @@ class _Decoder:
 
     message_id = staticmethod(RedisStreamsBroker.message_id)
 
-    def __init__(self, consumer: str) -> None:
+    def __init__(self, consumer: str, max_message_bytes: int | None) -> None:
         self.consumer = consumer
+        self.max_message_bytes = max_message_bytes
         self.buried: list[tuple[Message, DeadLetter]] = []
 
     def message(self, topic: str, stream: str, retry: bool, group: str, entry_id: Any,
@@ -109,8 +111,8 @@ class _Decoder:
         return cast("Message | None", decode(self, topic, stream, retry, group, entry_id,
                                              raw, deliveries))
 
-    def _bury_malformed(self, *args: Any) -> None:
-        cast(Any, RedisStreamsBroker._bury_malformed)(self, *args)
+    def _bury_malformed(self, *args: Any, **options: Any) -> None:
+        cast(Any, RedisStreamsBroker._bury_malformed)(self, *args, **options)
 
     def _bury(self, message: Message, record: DeadLetter) -> None:
         self.buried.append((message, record))
@@ -132,6 +134,9 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         start_id: where a new group starts: ``"0"`` (default) or ``"$"``.
         promote_interval: how often a fetch moves due delayed retries into the retry
             stream (a retry is at most this late).
+        max_message_bytes: the largest entry (body plus other fields) handed to the
+            handler; a larger one is dead-lettered with the reason, its raw body kept
+            (None: no bound; see :mod:`msgpatterns.limits`).
     """
 
     @renamed_arguments(client_or_url="url")
@@ -146,6 +151,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         dead_letter_maxlen: int | None = None,
         start_id: str = "0",
         promote_interval: float = 0.05,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._configure(url, aioredis.Redis, locals())  # the options, by their names
         self._closed = False
@@ -325,7 +331,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     async def _fetch(self, topics: list[str], group: str, max_messages: int,
                      timeout: float) -> list[Message]:
         await self._ensure_groups(topics, group)
-        decoder = _Decoder(self.consumer)
+        decoder = _Decoder(self.consumer, self.max_message_bytes)
         wait = timeout
         now = time.monotonic()
         for topic in topics:
@@ -472,7 +478,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         """:meth:`close`: hand back every delivery still pending under this consumer in
         the groups it used. Redis unreachable: logged, and those deliveries come back
         after ``visibility_timeout`` (none is lost)."""
-        decoder = _Decoder(self.consumer)
+        decoder = _Decoder(self.consumer, self.max_message_bytes)
         try:
             for (stream, group), (topic, retry) in sorted(self._origins.items()):
                 first = None

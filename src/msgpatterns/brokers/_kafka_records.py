@@ -20,6 +20,7 @@ from msgpatterns._redact import redact_url
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import ConfigurationError
+from msgpatterns.limits import oversize_reason
 from msgpatterns.message import Message
 
 __all__ = ["GroupState", "KafkaReceipt", "OffsetTracker", "RecordView", "Verdict",
@@ -290,11 +291,14 @@ class Verdict:
 
 
 def judge(record: RecordView, retry_topics: Mapping[str, str], group: str,
-          now: float) -> Verdict:
+          now: float, *, limit: int | None) -> Verdict:
     """The :class:`Verdict` on ``record`` for ``group`` at ``now``; ``retry_topics``
-    maps each retry topic read to its topic."""
+    maps each retry topic read to its topic; ``limit``: the adapter's
+    ``max_message_bytes`` (a larger record, value plus headers plus key, is rejected)."""
     topic = retry_topics.get(record.read_topic, record.read_topic)
-    problem = malformed(record.value, record.headers) or h.header_problem(
+    problem = oversize_reason(
+        record.value, record.headers, record.key, limit=limit,
+    ) or malformed(record.value, record.headers) or h.header_problem(
         {k: codec.text(v) for k, v in record.headers if k.startswith(h.PREFIX)}, now=now)
     if problem is not None:
         return Verdict("reject", topic, problem=problem)

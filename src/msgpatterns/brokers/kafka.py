@@ -77,6 +77,7 @@ from msgpatterns.errors import (
     ConfigurationError,
     seconds,
 )
+from msgpatterns.limits import DEFAULT_MAX_MESSAGE_BYTES, check_max_message_bytes
 from msgpatterns.message import Message
 
 kafka = require("confluent_kafka", "kafka")
@@ -193,6 +194,9 @@ class KafkaBroker(BrokerAdapter):
         connect_timeout: seconds to wait for the cluster's metadata (the constructor
             checks that the cluster answers; an unreachable one raises
             :class:`~msgpatterns.errors.BrokerUnavailable` after this long).
+        max_message_bytes: the largest record (value plus headers plus key) handed
+            to the handler; a larger one is dead-lettered with the reason, its value
+            kept (None: no bound; see :mod:`msgpatterns.limits`).
     """
 
     @renamed_arguments(bootstrap_or_config="url")
@@ -207,7 +211,9 @@ class KafkaBroker(BrokerAdapter):
         dead_letter_suffix: str = ".DLT",
         delivery_timeout: float = 30.0,
         connect_timeout: float = 5.0,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        self.max_message_bytes = check_max_message_bytes(max_message_bytes)
         if isinstance(url, str):
             self._base: dict[str, Any] = {"bootstrap.servers": bootstrap_servers(url)}
         elif isinstance(url, Mapping):
@@ -566,7 +572,8 @@ class KafkaBroker(BrokerAdapter):
                 return None  # read past a paused retry; re-read after resuming
             tracker = state.tracker(where)
         view = _view(record)
-        verdict = judge(view, state.retry_topics, group, now)
+        verdict = judge(view, state.retry_topics, group, now,
+                        limit=self.max_message_bytes)
         if verdict.action == "reject":
             assert verdict.problem is not None
             self._reject_malformed(group, view, verdict.topic, tracker, verdict.problem, now)

@@ -62,6 +62,12 @@ from msgpatterns.errors import (
     printable,
     seconds,
 )
+from msgpatterns.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MessageTooLarge,
+    check_max_message_bytes,
+    oversize_reason,
+)
 from msgpatterns.message import Message
 
 nats = require("nats", "nats")
@@ -136,6 +142,10 @@ class NatsJetStreamBroker(BrokerAdapter):
             CA, verification); implies TLS.
         tls_ca_file: a CA bundle to verify the server with (a verifying default
             context); implies TLS.
+        max_message_bytes: the largest delivery (body plus headers) handed to the
+            handler; a larger one is dead-lettered with the reason (a
+            :class:`~msgpatterns.limits.MessageTooLarge`), its body kept (None: no
+            bound; see :mod:`msgpatterns.limits`).
 
     TLS (a ``tls://`` URL, ``tls_context`` or ``tls_ca_file``) means TLS or no
     connection: a server that does not require TLS in its INFO is refused before any
@@ -154,7 +164,9 @@ class NatsJetStreamBroker(BrokerAdapter):
         name: str | None = None,
         tls_context: ssl.SSLContext | None = None,
         tls_ca_file: str | None = None,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        self.max_message_bytes = check_max_message_bytes(max_message_bytes)
         if visibility_timeout <= 0:
             raise ConfigurationError("visibility_timeout must be positive")
         connect_timeout = seconds(connect_timeout) or 0.0
@@ -471,6 +483,11 @@ class NatsJetStreamBroker(BrokerAdapter):
         dead-lettered (unreadable)."""
         meta = msg.metadata
         stream_seq = meta.sequence.stream
+        oversize = oversize_reason(msg.data, msg.headers, limit=self.max_message_bytes)
+        if oversize is not None:  # over max_message_bytes: this one only
+            await self._bury_malformed(msg, topic, group, f"{meta.stream}:{stream_seq}",
+                                       oversize, too_large=True)
+            return None
         problem = h.header_problem(msg.headers or {}, now=time.time())
         if problem is not None:  # a forged or corrupt library header: this one only
             await self._bury_malformed(msg, topic, group, f"{meta.stream}:{stream_seq}",
@@ -499,19 +516,21 @@ class NatsJetStreamBroker(BrokerAdapter):
         return message
 
     async def _bury_malformed(self, msg: Any, topic: str, group: str, fallback_id: str,
-                              problem: str) -> None:
-        """Dead-letter one delivery whose library headers are unusable (``problem``
-        says why), keeping its body and its user headers; then ack it."""
+                              problem: str, *, too_large: bool = False) -> None:
+        """Dead-letter one delivery whose library headers are unusable, or that is over
+        ``max_message_bytes`` (``too_large``; ``problem`` says why), keeping its body
+        and its user headers; then ack it."""
         t = codec.split_transport(msg.headers or {}, drop=_DROP)
         message = Message(
             msg.data, id=t.id or fallback_id, key=t.key, topic=topic,
             headers={k: v for k, v in t.headers.items() if not k.startswith(h.PREFIX)},
             offset=msg.metadata.sequence.stream,
         )
-        reason = f"malformed message: {problem}"
+        reason = f"{'oversized' if too_large else 'malformed'} message: {problem}"
         log.error("%s: dead-lettering %r of %s: %s", self.name, message.id, topic,
                   printable(problem))
-        record = DeadLetter.from_error(message, MalformedMessage(problem), now=time.time(),
+        error = MessageTooLarge(problem) if too_large else MalformedMessage(problem)
+        record = DeadLetter.from_error(message, error, now=time.time(),
                                        reason=reason, group=group)
         await self._send(topic, self.dead_letter_subject(topic),
                          codec.dead_letter_body(record), codec.dead_letter_headers(record),

@@ -98,6 +98,11 @@ from msgpatterns.errors import (
     printable,
     seconds,
 )
+from msgpatterns.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    check_max_message_bytes,
+    check_message_size,
+)
 from msgpatterns.message import Message
 
 pika = require("pika", "rabbitmq")
@@ -411,6 +416,10 @@ class RabbitMQBroker(BrokerAdapter):
             :class:`~msgpatterns.errors.BrokerUnavailable` (also pika's socket and
             stack timeouts for a URL that sets none).
         close_timeout: seconds :meth:`close` waits for the I/O thread to flush.
+        max_message_bytes: the largest delivery (body plus headers) handed to the
+            handler; a larger one is dead-lettered with the reason (a
+            :class:`~msgpatterns.limits.MessageTooLarge`), its body kept (None: no
+            bound; see :mod:`msgpatterns.limits`).
     """
 
     @renamed_arguments(url_or_parameters="url")
@@ -426,7 +435,9 @@ class RabbitMQBroker(BrokerAdapter):
         name: str | None = None,
         connect_timeout: float = 5.0,
         close_timeout: float = 10.0,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        self.max_message_bytes = check_max_message_bytes(max_message_bytes)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ConfigurationError(f"prefetch must be an integer >= 1, got {prefetch!r}")
         connect_timeout = seconds(connect_timeout) or 0.0
@@ -1066,6 +1077,7 @@ class RabbitMQBroker(BrokerAdapter):
         topic, group = self._routes[queue]
         receipt = _Receipt(self._generation, method.delivery_tag, queue, group)
         try:
+            check_message_size(body, properties.headers, limit=self.max_message_bytes)
             message = self._message(topic, method, properties, body)
         except Exception as exc:
             log.warning("%s: delivery %d of %s is malformed (%s); dead-lettering it",

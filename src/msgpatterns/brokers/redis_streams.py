@@ -76,6 +76,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -98,6 +99,12 @@ from msgpatterns.errors import (
     BrokerUnavailable,
     ConfigurationError,
     MalformedMessage,
+)
+from msgpatterns.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MessageTooLarge,
+    check_max_message_bytes,
+    oversize_reason,
 )
 from msgpatterns.message import Message, delivered
 
@@ -406,9 +413,11 @@ class StreamsSettings:
     dead_letter_maxlen: int | None
     start_id: str
     promote_interval: float
+    max_message_bytes: int | None
 
     def _configure(self, url: Any, factory: Any, options: Mapping[str, Any]) -> None:
         """Apply the constructor's ``url`` (see :func:`client_from`) and options."""
+        self.max_message_bytes = check_max_message_bytes(options["max_message_bytes"])
         visibility_timeout = options["visibility_timeout"]
         if visibility_timeout <= 0:
             raise ConfigurationError("visibility_timeout must be positive")
@@ -475,6 +484,9 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
             docstring).
         read_ahead_hold: seconds a read-ahead no fetch takes stays pending under this
             consumer before the flusher hands it back.
+        max_message_bytes: the largest entry (body plus other fields) handed to the
+            handler; a larger one is dead-lettered with the reason, its raw body kept
+            (None: no bound; see :mod:`msgpatterns.limits`).
     """
 
     @renamed_arguments(client_or_url="url")
@@ -493,6 +505,7 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         promote_interval: float = 0.05,
         read_ahead: bool = True,
         read_ahead_hold: float = 1.0,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._configure(url, redis.Redis, locals())  # the options, by their names
         self._lock = threading.Lock()
@@ -1236,6 +1249,9 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         # millisecond's id prefix (b"<ms>-"), tested without building anything.
         ms, timestamp = b"-", 0.0
         seen = self._seen
+        # Bodies above this go through ``slow`` (which dead-letters them): one
+        # comparison per entry, no bound is sys.maxsize.
+        most = self.max_message_bytes or sys.maxsize
         for stream_name, entries in reply.items() if isinstance(reply, dict) else reply:
             stream = stream_name if type(stream_name) is str else codec.text(stream_name)
             topic, retry = origin[stream]
@@ -1252,7 +1268,8 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
                 if fields is None:  # deleted (trimmed) while pending
                     continue
                 if (type(entry_id) is bytes and type(fields) is list and len(fields) == 2
-                        and fields[0] == b"body" and type(fields[1]) is bytes):
+                        and fields[0] == b"body" and type(fields[1]) is bytes
+                        and len(fields[1]) <= most):
                     if not entry_id.startswith(ms):
                         head = entry_id.partition(b"-")[0]
                         ms, timestamp = head + b"-", int(head) / 1000
@@ -1299,10 +1316,13 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
     def _message(self, topic: str, stream: str, retry: bool, group: str, entry_id: Any,
                  raw: Any, deliveries: int) -> Message | None:
         """The delivery as a Message; an entry that cannot be one is dead-lettered
-        (with its raw fields and the reason) and None returned."""
+        (with its raw fields and the reason) and None returned; so is an entry over
+        ``max_message_bytes`` (with its raw body and the reason)."""
+        limit = self.max_message_bytes
         if type(raw) is dict and len(raw) == 1 and type(entry_id) is bytes:
             body = raw.get(b"body")
-            if type(body) is bytes:  # the common case (a body, no headers), kept cheap
+            if type(body) is bytes and (limit is None or len(body) <= limit):
+                # the common case (a body, no headers), kept cheap
                 eid = entry_id.decode("ascii")
                 message = Message(body, id=f"{topic}/{eid}", topic=topic,
                                   timestamp=int(eid.partition("-")[0]) / 1000,
@@ -1314,6 +1334,13 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         try:
             fields = _fields(raw)
             body = fields.get("body")
+            oversize = oversize_reason(
+                body, [(k, v) for k, v in fields.items() if k != "body"], limit=limit)
+            if oversize is not None:
+                self._bury_malformed(topic, receipt, raw, deliveries, oversize,
+                                     too_large=True,
+                                     body=None if body is None else _b(body))
+                return None
             if body is None:  # an entry from a producer that does not use msgpatterns
                 body = json.dumps({k: codec.text(v) for k, v in fields.items()}).encode()
                 raw_headers = None
@@ -1345,18 +1372,24 @@ class RedisStreamsBroker(StreamsSettings, BrokerAdapter):
         return message
 
     def _bury_malformed(self, topic: str, receipt: _Receipt, raw: Any, deliveries: int,
-                        problem: str) -> None:
-        """Dead-letter one undecodable entry: its raw fields as the body, the reason."""
-        message = Message(_raw_fields_body(raw),
+                        problem: str, *, too_large: bool = False,
+                        body: bytes | None = None) -> None:
+        """Dead-letter one entry no handler gets: its raw fields as the body (or its raw
+        ``body`` field when given: an oversized entry is not encoded again), the reason.
+        ``too_large``: ``problem`` is an :mod:`~msgpatterns.limits` reason."""
+        message = Message(_raw_fields_body(raw) if body is None else body,
                           id=self.message_id(topic, receipt.entry_id), topic=topic,
                           attempt=max(1, deliveries))
         message.receipt = receipt
-        reason = (f"undecodable Redis stream entry {receipt.entry_id} of {receipt.stream}:"
-                  f" {problem}; the body holds its raw fields as JSON [name, value] pairs")
+        held = ("its raw fields as JSON [name, value] pairs" if body is None
+                else "its raw body field")
+        what = "oversized" if too_large else "undecodable"
+        reason = (f"{what} Redis stream entry {receipt.entry_id} of {receipt.stream}:"
+                  f" {problem}; the body holds {held}")
+        error = MessageTooLarge(reason) if too_large else MalformedMessage(reason)
         log.error("%s: %s", self.consumer, escape_control(reason))
         self._bury(message, DeadLetter.from_error(
-            message, MalformedMessage(reason), now=time.time(), reason=reason,
-            group=receipt.group))
+            message, error, now=time.time(), reason=reason, group=receipt.group))
 
     def _take_overflow(self, topics: Sequence[str], group: str, limit: int) -> list[Message]:
         with self._lock:
