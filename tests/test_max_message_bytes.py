@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from broker_harness import (
     KAFKA_TEST_CONSUMER,
     delete_nats_stream,
     delete_rabbitmq_topology,
+    drain,
     eventually,
     kafka_cluster,
     require_library,
@@ -255,3 +258,93 @@ def test_kafka_judge_rejects_a_record_over_the_bound() -> None:
     assert headers.action == "reject" and "body 5" in (headers.problem or "")
     assert judge(_record(b"x" * 10), {}, "g", now, limit=10).action == "deliver"
     assert judge(_record(b"x" * 11), {}, "g", now, limit=None).action == "deliver"
+
+
+# -- Redis: headers count, foreign entries, no bound, and the hot loop's twin ------------
+
+
+@pytest.mark.redis
+def test_redis_headers_and_foreign_fields_count(names: Names) -> None:
+    """An entry whose headers push it over, and a foreign entry (no ``body`` field)
+    with a large field, are dead-lettered; with ``max_message_bytes=None`` a 5,000-byte
+    body is delivered."""
+    require_library("redis", "RedisStreamsBroker")
+    import redis
+
+    from msgpatterns.brokers import RedisStreamsBroker
+
+    url = services.require("redis")
+    client = redis.Redis.from_url(url)
+    try:
+        with RedisStreamsBroker(url, max_message_bytes=LIMIT) as broker:
+            broker.subscribe(names.topic, names.group)
+            client.xadd(names.topic, {"body": b"b" * 500,
+                                      "headers": '{"h": "%s"}' % ("v" * 800)})
+            client.xadd(names.topic, {"order": "o" * 2000})
+            client.xadd(names.topic, {"body": SMALL_1})
+            got = drain(broker, names.topic, names.group, count=1, within=15)
+            assert [m.raw_body for m in got] == [SMALL_1]
+            broker.ack(got[0])
+            dead = eventually(lambda: (lambda d: d if len(d) == 2 else None)(
+                broker.list_dead_letters(names.topic, names.group)), timeout=15)
+        reasons = sorted(d.reason for d in dead)
+        assert all("over max_message_bytes=1000" in r for r in reasons), reasons
+        assert any("(body 500, headers and key" in r for r in reasons), reasons
+        assert all(d.error_type.endswith("MessageTooLarge") for d in dead)
+        with RedisStreamsBroker(url, max_message_bytes=None) as unbounded:
+            unbounded.publish(names.topic, BIG)
+            got = drain(unbounded, names.topic, f"{names.group}-none", count=4, within=15)
+        assert BIG in [m.raw_body for m in got]
+    finally:
+        keys = list(client.scan_iter(match=f"{names.topic}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def _view(message: Message) -> tuple[Any, ...]:
+    return (message.raw_body, message.id, message.key, message.topic, message.headers,
+            message.timestamp, message.attempt, tuple(message.receipt))
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=st.lists(st.tuples(st.integers(0, 40), st.booleans()), max_size=12),
+       limit=st.sampled_from([None, 1, 10, 25, 40]))
+def test_redis_hot_loop_agrees_with_its_plain_twin(entries: list[tuple[int, bool]],
+                                                   limit: int | None) -> None:
+    """``RedisStreamsBroker._messages`` (the tight loop over a raw XREADGROUP reply)
+    hands out and dead-letters exactly what :meth:`_message`, entry by entry, does."""
+    require_library("fakeredis", "the Redis fake")
+    import fakeredis
+
+    from msgpatterns.brokers import RedisStreamsBroker
+
+    def reply() -> list[Any]:
+        out = []
+        for i, (size, with_headers) in enumerate(entries):
+            fields: list[bytes] = [b"body", b"x" * size]
+            if with_headers:
+                fields += [b"headers", b'{"h": "v"}']
+            out.append([f"1700000000000-{i}".encode(), fields])
+        return [[b"t", out]]
+
+    broker: Any = RedisStreamsBroker(fakeredis.FakeRedis(), max_message_bytes=limit)
+    try:
+        buried: dict[str, list[Any]] = {"hot": [], "plain": []}
+        for way in ("hot", "plain"):
+            broker._bury = lambda m, r, way=way: buried[way].append(
+                (m.raw_body, m.id, r.reason, r.error_type))
+            if way == "hot":
+                hot = [_view(m) for m in broker._messages(reply(), {"t": ("t", False)}, "g")]
+            else:
+                plain = [_view(m) for entry_id, fields in reply()[0][1]
+                         if (m := broker._message("t", "t", False, "g", entry_id, fields, 1))
+                         is not None]
+        assert hot == plain
+        assert buried["hot"] == buried["plain"]
+        expected = sum(1 for size, headers in entries
+                       if limit is not None and size + (17 if headers else 0) > limit)
+        assert len(buried["hot"]) == expected
+    finally:
+        broker.close()
