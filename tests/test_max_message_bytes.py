@@ -223,6 +223,7 @@ def test_an_oversized_message_is_dead_lettered_and_the_next_one_delivered(
         assert "max_message_bytes=1000" in record.reason, record.reason
         assert "5000" in record.reason, record.reason
         assert record.group == names.group
+        assert record.error_type == "msgpatterns.limits.MessageTooLarge"
     finally:
         adapter.cleanup(url, names)
 

@@ -440,3 +440,61 @@ def test_pika_loop_counts_a_crash_and_dead_letters_a_bad_attempt_header(
     assert record.id == "bad" and h.ATTEMPT in record.reason
     assert channel.queue_declare(queue, passive=True).method.message_count == 0
     loop.close()
+
+
+@pytest.mark.rabbitmq
+def test_pika_loop_dead_letters_an_oversized_delivery(
+        pika_channel: tuple[Any, Any, str, str], rabbitmq_url: str) -> None:
+    """``max_message_bytes`` on the raw pika loop: a larger delivery never reaches the
+    handler, it is dead-lettered with its size and the bound; the next is delivered."""
+    from msgpatterns.brokers import RabbitMQBroker
+    from msgpatterns.raw.pika import PikaLoop
+
+    _, channel, topic, group = pika_channel
+    loop = PikaLoop(channel, topic=topic, group=group, max_message_bytes=1000)
+    queue = loop.declare()
+    channel.basic_publish(topic, topic, b"B" * 5000)
+    channel.basic_publish(topic, topic, b"small")
+
+    def buried() -> bool:
+        method, properties, body = channel.basic_get(queue)
+        return method is not None and loop.message(method, properties, body) is None
+    eventually(buried, timeout=10)
+    small = get_one(channel, loop, queue)
+    assert small.raw_body == b"small"
+    loop.apply(small, Ack())
+    with RabbitMQBroker(rabbitmq_url) as broker:
+        [record] = eventually(lambda: broker.list_dead_letters(topic, group), timeout=10)
+    assert record.message.raw_body == b"B" * 5000
+    assert "5000 bytes, over max_message_bytes=1000" in record.reason
+    loop.close()
+
+
+def _raw_loop(name: str, max_message_bytes: object) -> Any:
+    if name == "redis":
+        require_library("redis", "RedisLoop")
+        import redis
+
+        from msgpatterns.raw.redis import RedisLoop
+
+        return RedisLoop(redis.Redis.from_url("redis://127.0.0.1:1"), group="g",
+                         consumer="c", max_message_bytes=max_message_bytes)
+    if name == "kafka":
+        require_library("confluent_kafka", "KafkaLoop")
+        from msgpatterns.raw.kafka import KafkaLoop
+
+        return KafkaLoop(object(), group="g", topics=["t"], producer=object(),
+                         max_message_bytes=max_message_bytes)
+    require_library("pika", "PikaLoop")
+    from msgpatterns.raw.pika import PikaLoop
+
+    return PikaLoop(object(), topic="t", group="g",
+                    max_message_bytes=max_message_bytes)
+
+
+@pytest.mark.parametrize(("loop_name", "bad"), [("redis", 0), ("kafka", -1), ("pika", True)])
+def test_raw_loops_refuse_a_bad_max_message_bytes(loop_name: str, bad: object) -> None:
+    from msgpatterns.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="max_message_bytes"):
+        _raw_loop(loop_name, bad)

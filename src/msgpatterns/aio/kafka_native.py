@@ -513,7 +513,8 @@ class AIOKafkaBroker:
         if verdict.action == "reject":
             assert verdict.problem is not None
             letter, unreadable = malformed_letter(view, verdict.topic, group,
-                                                  verdict.problem, now)
+                                                  verdict.problem, now,
+                                                  too_large=verdict.too_large)
             log.warning("%s: %s %s dead-lettered: %s", group, verdict.topic, view.position,
                         escape_control(verdict.problem))
             await self._produce(self.dead_letter_topic(verdict.topic), view.value,

@@ -19,8 +19,8 @@ from msgpatterns import headers as h
 from msgpatterns._redact import redact_url
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.deadletter import DeadLetter
-from msgpatterns.errors import ConfigurationError
-from msgpatterns.limits import oversize_reason
+from msgpatterns.errors import ConfigurationError, MalformedMessage
+from msgpatterns.limits import MessageTooLarge, oversize_reason
 from msgpatterns.message import Message
 
 __all__ = ["GroupState", "KafkaReceipt", "OffsetTracker", "RecordView", "Verdict",
@@ -250,9 +250,11 @@ def record_message(record: RecordView, topic: str, t: codec.Transport) -> Messag
 
 
 def malformed_letter(record: RecordView, topic: str, group: str, problem: str,
-                     now: float) -> tuple[DeadLetter, list[tuple[str, Any]]]:
-    """The dead letter of a record that cannot be handed out (``problem`` says why),
-    and its header pairs that are not text (to append to the dead letter raw)."""
+                     now: float, *, too_large: bool = False,
+                     ) -> tuple[DeadLetter, list[tuple[str, Any]]]:
+    """The dead letter of a record that cannot be handed out (``problem`` says why;
+    ``too_large``: it is over ``max_message_bytes``), and its header pairs that are not
+    text (to append to the dead letter raw)."""
     readable = {k: codec.text(v) for k, v in record.headers if utf8(v)}
     transport = codec.split_transport(readable)
     message = Message(
@@ -265,10 +267,12 @@ def malformed_letter(record: RecordView, topic: str, group: str, problem: str,
         partition=record.partition,
         offset=record.offset,
     )
+    error = MessageTooLarge if too_large else MalformedMessage
     letter = DeadLetter(
-        message=message, error_type="msgpatterns.errors.MalformedMessage",
+        message=message, error_type=f"{error.__module__}.{error.__qualname__}",
         error_message=problem, traceback="", attempts=1, first_failed_at=now,
-        last_failed_at=now, reason=f"malformed record: {problem}", group=group,
+        last_failed_at=now,
+        reason=f"{'oversized' if too_large else 'malformed'} record: {problem}", group=group,
     )
     return letter, [(k, v) for k, v in record.headers if not utf8(v)]
 
@@ -278,7 +282,8 @@ class Verdict:
     """What a consumer of ``group`` does with a record it read:
 
     * ``"deliver"``: hand out :attr:`message` (of :attr:`topic`);
-    * ``"reject"``: dead-letter it as malformed (:attr:`problem` says why);
+    * ``"reject"``: dead-letter it as malformed (:attr:`problem` says why;
+      :attr:`too_large`: it is over ``max_message_bytes``);
     * ``"skip"``: another group's retry - settle it, nothing to do;
     * ``"wait"``: a retry not due before :attr:`due_at` - hold its partition there.
     """
@@ -288,6 +293,7 @@ class Verdict:
     message: Message | None = None
     problem: str | None = None
     due_at: float | None = None
+    too_large: bool = False
 
 
 def judge(record: RecordView, retry_topics: Mapping[str, str], group: str,
@@ -296,9 +302,10 @@ def judge(record: RecordView, retry_topics: Mapping[str, str], group: str,
     maps each retry topic read to its topic; ``limit``: the adapter's
     ``max_message_bytes`` (a larger record, value plus headers plus key, is rejected)."""
     topic = retry_topics.get(record.read_topic, record.read_topic)
-    problem = oversize_reason(
-        record.value, record.headers, record.key, limit=limit,
-    ) or malformed(record.value, record.headers) or h.header_problem(
+    oversize = oversize_reason(record.value, record.headers, record.key, limit=limit)
+    if oversize is not None:
+        return Verdict("reject", topic, problem=oversize, too_large=True)
+    problem = malformed(record.value, record.headers) or h.header_problem(
         {k: codec.text(v) for k, v in record.headers if k.startswith(h.PREFIX)}, now=now)
     if problem is not None:
         return Verdict("reject", topic, problem=problem)

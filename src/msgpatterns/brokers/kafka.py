@@ -576,7 +576,8 @@ class KafkaBroker(BrokerAdapter):
                         limit=self.max_message_bytes)
         if verdict.action == "reject":
             assert verdict.problem is not None
-            self._reject_malformed(group, view, verdict.topic, tracker, verdict.problem, now)
+            self._reject_malformed(group, view, verdict.topic, tracker, verdict.problem, now,
+                                   too_large=verdict.too_large)
             return None
         if verdict.action == "wait":
             assert verdict.due_at is not None
@@ -594,10 +595,13 @@ class KafkaBroker(BrokerAdapter):
         return message
 
     def _reject_malformed(self, group: str, record: RecordView, topic: str,
-                          tracker: OffsetTracker, problem: str, now: float) -> None:
+                          tracker: OffsetTracker, problem: str, now: float, *,
+                          too_large: bool = False) -> None:
         """Dead-letter a record the adapter cannot hand out faithfully (raw value and
-        header bytes kept, the reason in the record); settled once confirmed."""
-        letter, unreadable = malformed_letter(record, topic, group, problem, now)
+        header bytes kept, the reason in the record; ``too_large``: over
+        ``max_message_bytes``); settled once confirmed."""
+        letter, unreadable = malformed_letter(record, topic, group, problem, now,
+                                              too_large=too_large)
         log.warning("%s: %s %s dead-lettered: %s", group, topic, record.position,
                     escape_control(problem))
         self._produce(self.dead_letter_topic(topic), record.value,

@@ -27,6 +27,7 @@ from typing import Any
 
 from msgpatterns.brokers.kafka import KafkaBroker
 from msgpatterns.errors import BrokerError
+from msgpatterns.limits import DEFAULT_MAX_MESSAGE_BYTES
 from msgpatterns.message import Message
 from msgpatterns.raw import RawLoop, carry_out
 from msgpatterns.settlement import Decision
@@ -54,14 +55,18 @@ class KafkaLoop(RawLoop):
         retry_suffix: as for ``KafkaBroker``.
         dead_letter_suffix: as for ``KafkaBroker``.
         delivery_timeout: as for ``KafkaBroker``.
+        max_message_bytes: as for ``KafkaBroker``: a larger record is dead-lettered
+            with the reason (default 16 MiB, None: no bound).
     """
 
     def __init__(self, consumer: Any, *, group: str, topics: Sequence[str],
                  producer: Any, retry_suffix: str = ".retry",
-                 dead_letter_suffix: str = ".DLT", delivery_timeout: float = 30.0) -> None:
+                 dead_letter_suffix: str = ".DLT", delivery_timeout: float = 30.0,
+                 max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         options: dict[str, Any] = {"retry_suffix": retry_suffix,
                                    "dead_letter_suffix": dead_letter_suffix,
-                                   "delivery_timeout": delivery_timeout}
+                                   "delivery_timeout": delivery_timeout,
+                                   "max_message_bytes": max_message_bytes}
         if isinstance(producer, Mapping):
             self.broker = KafkaBroker(producer, **options)
         else:

@@ -44,6 +44,11 @@ from msgpatterns.brokers.rabbitmq import (
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerError, describe
+from msgpatterns.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    check_max_message_bytes,
+    check_message_size,
+)
 from msgpatterns.message import Message
 from msgpatterns.raw import RawLoop, carry_out
 from msgpatterns.retry import RetryPolicy
@@ -72,11 +77,15 @@ class PikaLoop(RawLoop):
         topic: as for ``RabbitMQBroker``.
         group: as for ``RabbitMQBroker``; ``queue`` and ``exchange`` are its name
             templates, ``queue_type`` its queue type, ``declare`` whether to declare.
+        max_message_bytes: as for ``RabbitMQBroker``: a larger delivery is
+            dead-lettered with the reason (default 16 MiB, None: no bound).
     """
 
     def __init__(self, channel: Any, *, topic: str, group: str,
                  exchange: str = "{topic}", queue: str = "{topic}.{group}",
-                 queue_type: str | None = "quorum", declare: bool = True) -> None:
+                 queue_type: str | None = "quorum", declare: bool = True,
+                 max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        self.max_message_bytes = check_max_message_bytes(max_message_bytes)
         self.channel = channel
         self.topic = topic
         self.group = group
@@ -103,9 +112,10 @@ class PikaLoop(RawLoop):
 
     def message(self, method: Any, properties: Any, body: bytes) -> Message | None:
         """The Message of a delivery (attempt from the attempt header and
-        ``x-delivery-count``), or None when its headers are malformed: then it is
-        dead-lettered with the reason."""
+        ``x-delivery-count``), or None when its headers are malformed or it is over
+        ``max_message_bytes``: then it is dead-lettered with the reason."""
         try:
+            check_message_size(body, properties.headers, limit=self.max_message_bytes)
             message = RabbitMQBroker._message(self.topic, method, properties, body)
         except Exception as exc:
             self._bury_malformed(method, properties, body, exc)

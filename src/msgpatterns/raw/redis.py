@@ -29,6 +29,7 @@ from typing import Any
 
 from msgpatterns.brokers import _codec as codec
 from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+from msgpatterns.limits import DEFAULT_MAX_MESSAGE_BYTES
 from msgpatterns.message import Message
 from msgpatterns.raw import RawLoop, carry_out
 from msgpatterns.settlement import Decision
@@ -51,16 +52,20 @@ class RedisLoop(RawLoop):
         visibility_timeout: seconds a delivery may stay unsettled before
             :meth:`recover` claims it from a dead consumer.
         dead_letter_maxlen: approximate cap of ``S:dlq`` (None: no trimming).
+        max_message_bytes: as for ``RedisStreamsBroker``: a larger entry is
+            dead-lettered with the reason (default 16 MiB, None: no bound).
     """
 
     def __init__(self, client: Any, *, group: str, consumer: str,
                  visibility_timeout: float = 1800.0,
-                 dead_letter_maxlen: int | None = None) -> None:
+                 dead_letter_maxlen: int | None = None,
+                 max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.group = group
         self.consumer = consumer
         self.broker = RedisStreamsBroker(
             client, consumer=consumer, visibility_timeout=visibility_timeout,
             dead_letter_maxlen=dead_letter_maxlen, ack_flush_interval=0,
+            max_message_bytes=max_message_bytes,
         )
         self._own_pending: dict[str, str] = {}  # stream -> last id re-read ("": done)
 
