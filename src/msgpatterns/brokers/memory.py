@@ -477,14 +477,18 @@ class InMemoryBroker(BrokerAdapter):
     def _promote(self, group: str, lane: _Lane, now: float) -> None:
         while lane.delayed and lane.delayed[0][0] <= now:
             lane.ready.append(heapq.heappop(lane.delayed)[2])
+        timed_out: list[_Entry] = []
         while lane.leases and lane.leases[0][0] <= now:
             _, token, uid = heapq.heappop(lane.leases)
             held = lane.inflight.get(uid)
             if held is not None and held[0] == token:
                 del lane.inflight[uid]
-                lane.ready.append(held[2])
+                timed_out.append(held[2])
                 self.stats.timeouts += 1
                 self._event("timeout", held[2].id, group, lane.deliveries[uid])
+        if timed_out:  # like a real broker: a dead consumer's deliveries come back first
+            timed_out.sort(key=lambda entry: (entry.offset, entry.uid))
+            lane.ready.extendleft(reversed(timed_out))
 
     def _next_due(self, lanes: Sequence[tuple[str, _Lane]]) -> float | None:
         due: float | None = None

@@ -7,6 +7,13 @@ fetches from. Behind it, one consumer process:
   partitions, at most one owner per partition, up to its fair share
   (``ceil(partitions to consume / live members)``); a dead member's leases expire
   after ``lease_ttl`` and its partitions are taken over;
+* takes over a partition whose lease ran out (its owner died or stalled) only
+  ``takeover_delay`` seconds later (by default the broker's ``visibility_timeout``):
+  by then the broker redelivers what the dead owner had fetched and not settled, and
+  brokers hand such redeliveries out before later messages (Redis Streams claims
+  stale deliveries first, RabbitMQ requeues at the head, Kafka re-reads from the
+  committed offset, :class:`InMemoryBroker` puts timed-out deliveries back at the
+  head), so a key's unsettled message is handled before its later ones;
 * consumes a partition opened by a route change only after every partition that
   change closed has been recorded (by whichever member consumed it), so each key's
   messages in an old partition are handled before any of its messages in a new one;
@@ -58,10 +65,11 @@ class FeedStats:
 class _Held:
     """What this feed tracks of one leased partition."""
 
-    __slots__ = ("command", "command_at", "command_message", "outstanding", "recorded_at",
-                 "retrying")
+    __slots__ = ("command", "command_at", "command_message", "outstanding", "readable_at",
+                 "recorded_at", "retrying")
 
-    def __init__(self) -> None:
+    def __init__(self, readable_at: float = float("-inf")) -> None:
+        self.readable_at = readable_at  # a takeover waits for the dead owner's redeliveries
         self.outstanding: dict[str, int] = {}  # message id -> fetched, not settled
         self.retrying: set[str] = set()  # nacked: they come back to this partition
         self.command: int | None = None  # the version of the command message reached
@@ -74,9 +82,15 @@ class TopicFeed:
     """A Broker over the physical partitions of an ordered topic this process leases."""
 
     def __init__(self, topic: OrderedTopic, group: str, *, owner: str | None = None,
-                 lease_ttl: float = 10.0, refresh: float = 0.5) -> None:
+                 lease_ttl: float = 10.0, refresh: float = 0.5,
+                 takeover_delay: float | None = None) -> None:
         if lease_ttl <= 0 or refresh <= 0 or refresh >= lease_ttl:
             raise ConfigurationError("need 0 < refresh < lease_ttl")
+        if takeover_delay is None:
+            takeover_delay = float(getattr(topic.broker, "visibility_timeout", 0.0) or 0.0)
+        if takeover_delay < 0:
+            raise ConfigurationError("takeover_delay must be >= 0")
+        self.takeover_delay = takeover_delay
         self.topic = topic
         self.group = group
         self.owner = owner or uuid.uuid4().hex
@@ -125,13 +139,20 @@ class TopicFeed:
                     del self._held[physical]
             self._release_done()
             leases = self._store.leases(name, group, now)
+            dead = self._store.expired_leases(name, group, now) if wanted else {}
             for physical in sorted(wanted):
                 if len(self._held) >= share:
                     break
                 if physical in self._held or physical in leases:
                     continue
                 if self._store.lease(name, group, physical, self.owner, now, self.lease_ttl):
-                    self._held[physical] = _Held()
+                    taken_over = dead.get(physical, self.owner) != self.owner
+                    if taken_over:
+                        log.warning("%s partition %d: lease of %s ran out; taking over in "
+                                    "%.3gs", name, physical, dead[physical],
+                                    self.takeover_delay)
+                    self._held[physical] = _Held(
+                        now + self.takeover_delay if taken_over else float("-inf"))
                     self.stats.leases_taken += 1
             for physical in sorted(self._held, reverse=True):
                 if len(self._held) <= share:
@@ -175,7 +196,9 @@ class TopicFeed:
         self._maybe_refresh()
         with self._lock:
             self._record_ready()
-            readable = [self.topic.partition_topic(p) for p in sorted(self._held)]
+            now = self._now()
+            readable = [self.topic.partition_topic(p) for p, held in sorted(self._held.items())
+                        if held.readable_at <= now]
         if not readable:
             self._wake.wait(min(timeout, self.refresh))
             return []
@@ -249,6 +272,7 @@ class TopicFeed:
     def ack(self, message: Message) -> None:
         self._inner.ack(message)
         self._settled(message)
+        self._maybe_refresh()  # a consumer busy with a full window still renews its leases
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         # The message comes back from the same partition: until it is fetched again it
