@@ -213,6 +213,16 @@ def run_schedule(make_broker: Callable[[], Broker], store: RouteStore,
             "routes": publisher.routes(), "crashes": crashes}
 
 
+def assert_never_out_of_order_nor_doubled(result: dict[str, Any]) -> None:
+    """Safety only: every key's handled sequence is a prefix of its published one, and
+    no effect is doubled (whether everything was handled is not checked)."""
+    published, seen = result["published"], result["seen"]
+    for key, handled in list(seen.order.items()):
+        assert handled == published[key][:len(handled)], f"key {key} out of order"
+    doubled = {k: n for k, n in seen.effects.items() if n > 1}
+    assert not doubled, f"doubled effects: {doubled}"
+
+
 def assert_ordered_exactly_once(result: dict[str, Any]) -> None:
     """Every key's handled sequence is its published one, and no effect is doubled."""
     published, seen = result["published"], result["seen"]
