@@ -25,6 +25,8 @@ from msgpatterns.ordering.topic_feed import TopicFeed
 from msgpatterns.retry import Backoff
 
 SEEN_TIMEOUT = 120
+#: Seconds an @idempotent claim of a crashed consumer blocks its key.
+CLAIM_LEASE = 1.0
 
 
 class Crashed(Exception):
@@ -117,7 +119,9 @@ def run_schedule(make_broker: Callable[[], Broker], store: RouteStore,
     publisher.create(physical=2)
     seen = Seen()
     failed_once: set[tuple[str, int]] = set()
-    checker = MemoryChecker()
+    # A dead consumer's claims hold its keys until their lease runs out (the claim
+    # holder could still be running): short here, so a takeover goes on quickly.
+    checker = MemoryChecker(lease=CLAIM_LEASE)
     running: list[tuple[Consumer, Mortal]] = []
     connections: dict[int, Broker] = {}
     brokers: list[Broker] = [publisher.broker]

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from broker_harness import Harness, harness_params, make_harness
+from broker_harness import Harness, eventually, harness_params, make_harness
 from msgpatterns.brokers import Broker, InMemoryBroker
-from msgpatterns.ordering import MemoryRouteStore
+from msgpatterns.ordering import MemoryRouteStore, OrderedTopic
 from ordered_topic_runner import Options, assert_ordered_exactly_once, run_schedule
 
 #: A fixed schedule that exercises every kind of change.
@@ -83,3 +83,64 @@ def test_a_crashed_consumer_is_taken_over_in_order(harness: Harness) -> None:
                           options=options_for(harness), on_crash=crash(harness))
     assert_ordered_exactly_once(result)
     assert result["crashes"] == 1
+
+
+@pytest.mark.redis
+def test_a_foreign_publisher_without_a_route_is_dead_lettered_not_handled(
+        redis_url: str) -> None:
+    """``redis-cli XADD`` straight into a partition stream: no route version, so the
+    message is dead-lettered with the reason and the routed messages go on."""
+    import shutil
+    import subprocess
+    from urllib.parse import urlsplit
+
+    import redis
+
+    from msgpatterns import Message
+    from msgpatterns.brokers import RedisStreamsBroker
+
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.skip("redis-cli is not installed")
+    name = f"ot-foreign-{uuid.uuid4().hex[:8]}"
+    client = redis.Redis.from_url(redis_url)
+    publisher = OrderedTopic(RedisStreamsBroker(redis_url), name, routes=MemoryRouteStore(),
+                             logic_partitions=8, route_cache=0.0, fence=0.0, groups=["g"])
+    consumer_broker = RedisStreamsBroker(redis_url)
+    handled: list[str] = []
+    try:
+        publisher.create(physical=1)
+        publisher.publish("a", "routed-1")
+        url = urlsplit(redis_url)
+        subprocess.run([cli, "-h", url.hostname or "127.0.0.1", "-p", str(url.port or 6379),
+                        "-n", url.path.strip("/") or "0", "XADD",
+                        publisher.partition_topic(0), "*", "body", "foreign $(x) \x1b[31m"],
+                       check=True, capture_output=True, timeout=30)
+        publisher.publish("a", "routed-2")
+        topic = OrderedTopic(consumer_broker, name, routes=publisher.store,
+                             logic_partitions=8, route_cache=0.0, fence=0.0)
+
+        def handle(message: Message) -> None:
+            handled.append(bytes(message.body).decode())
+
+        consumer = topic.consumer(handle, group="g", refresh=0.05, poll_timeout=0.05)
+        consumer.start()
+        try:
+            eventually(lambda: len(handled) >= 2, timeout=30, message="routed messages")
+            dead = eventually(lambda: client.xrange(
+                RedisStreamsBroker.dead_letter_stream(publisher.partition_topic(0))),
+                timeout=30, message="the foreign message's dead letter")
+        finally:
+            consumer.stop(10)
+            consumer.broker.close()
+        assert handled == ["routed-1", "routed-2"]
+        assert len(dead) == 1
+        record = repr(dead[0][1])
+        assert "UnroutedMessage" in record and "no route version" in record
+    finally:
+        publisher.broker.close()  # type: ignore[attr-defined]
+        consumer_broker.close()
+        keys = list(client.scan_iter(match=f"{name}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()

@@ -10,7 +10,8 @@ from __future__ import annotations
 from msgpatterns.errors import ConfigurationError, MalformedMessage, Reject
 
 __all__ = [
-    "InvalidVersion", "MissingVersion", "RouteConflict", "RouteError", "VersionConflict",
+    "InvalidVersion", "MissingVersion", "RouteConflict", "RouteError", "UnroutedMessage",
+    "VersionConflict",
 ]
 
 
@@ -21,6 +22,12 @@ class InvalidVersion(MalformedMessage):
 
 class MissingVersion(InvalidVersion):
     """A message has no version (or timestamp) field, so it cannot be ordered."""
+
+
+class UnroutedMessage(MalformedMessage):
+    """A message in an ordered topic's partition carries no route version: it was not
+    published with :meth:`OrderedTopic.publish`, so nothing says its partition is its
+    key's, and its order cannot be kept. It is dead-lettered, never handled."""
 
 
 class VersionConflict(Reject):

@@ -22,7 +22,14 @@ fetches from. Behind it, one consumer process:
   is waited for) and the topic's ``fence`` has passed since it was appended, it
   records the command, acks it and hands the partition back.
 
-The handler never sees command messages. Route changes are followed one version at a
+The handler never sees command messages, nor a message without a route version (a
+foreign publisher wrote straight into a partition stream or queue): such a message
+is dead-lettered with :class:`~msgpatterns.ordering.errors.UnroutedMessage` as the
+reason, and the partition goes on. To publish from another language, read the route
+(see :class:`~msgpatterns.ordering.RedisRouteStore` and
+:class:`~msgpatterns.ordering.SqlRouteStore` for the layout), route the key yourself
+and set the ``x-msgpatterns-route-version`` and ``x-msgpatterns-logic-partition``
+headers. Route changes are followed one version at a
 time because each partition's successors wait for it, whatever the version history.
 """
 
@@ -215,6 +222,9 @@ class TopicFeed:
                 if _is_command(message):
                     self._reach_command(physical, held, message)
                     continue
+                if not _is_routed(message):
+                    self._refuse(message)
+                    continue
                 if held.recorded_at is not None:
                     self.stats.late += 1
                     log.warning("message %s reached %s partition %d after its command "
@@ -226,6 +236,16 @@ class TopicFeed:
                 out.append(message)
             self._record_ready()
         return out
+
+    def _refuse(self, message: Message) -> None:
+        from msgpatterns.ordering.errors import UnroutedMessage
+
+        error = UnroutedMessage(
+            f"message {message.id} in {message.topic} has no route version: it was not "
+            "published with OrderedTopic.publish, so its order cannot be kept")
+        log.error("%s", error)
+        self._inner.dead_letter(message, DeadLetter.from_error(
+            message, error, now=self._inner.now(), reason="unrouted", group=self.group))
 
     def _reach_command(self, physical: int, held: _Held, message: Message) -> None:
         from msgpatterns.ordering.topic import RouteCommand
@@ -311,6 +331,12 @@ class TopicFeed:
 
     def __repr__(self) -> str:
         return f"TopicFeed({self.topic.name!r}, group={self.group!r}, held={self.held})"
+
+
+def _is_routed(message: Message) -> bool:
+    from msgpatterns.ordering.topic import ROUTE_VERSION
+
+    return ROUTE_VERSION in message.headers
 
 
 def _is_command(message: Message) -> bool:
