@@ -255,26 +255,45 @@ class OrderedTopic:
 
     def consumer(self, handler: Any, *, group: str, owner: str | None = None,
                  lease_ttl: float = 10.0, refresh: float = 0.5,
-                 takeover_delay: float | None = None, **options: Any) -> Consumer:
+                 takeover_delay: float | None = None, on_dead_letter: str = "continue",
+                 **options: Any) -> Consumer:
         """A :class:`~msgpatterns.Consumer` over the physical partitions this process
         leases, following route versions one at a time (``ordered=True`` by default:
         per-key order inside the process too).
 
         ``takeover_delay``: seconds a partition whose owner died waits before this
         process reads it (default: the broker's ``visibility_timeout``), so that the
-        dead owner's unsettled messages are redelivered before later ones."""
+        dead owner's unsettled messages are redelivered before later ones.
+
+        ``on_dead_letter``: after a message of a key is dead-lettered, ``"continue"``
+        lets the key's next message run, ``"stop"`` dead-letters the key's later
+        messages too (see :mod:`msgpatterns.ordering.topic_feed`)."""
         from msgpatterns.consumer import Consumer
         from msgpatterns.ordering.topic_feed import TopicFeed
 
         if group not in self.groups:
             self.groups.append(group)
         feed = TopicFeed(self, group, owner=owner, lease_ttl=lease_ttl, refresh=refresh,
-                         takeover_delay=takeover_delay)
+                         takeover_delay=takeover_delay, on_dead_letter=on_dead_letter)
         options.setdefault("ordered", True)
+        if on_dead_letter == "stop":
+            handler = _checking_stopped_keys(feed, handler)
         return Consumer(feed, handler, topics=[self.name], group=group, **options)
 
     def __repr__(self) -> str:
         return f"OrderedTopic({self.name!r}, routes={self.store!r})"
+
+
+def _checking_stopped_keys(feed: Any, handler: Any) -> Any:
+    """``handler``, refusing first a message whose key a dead letter stopped."""
+    import functools
+
+    @functools.wraps(handler)
+    def checked(message: Any) -> Any:
+        feed.check_key(message)
+        return handler(message)
+
+    return checked
 
 
 def _key_text(key: Key) -> str:

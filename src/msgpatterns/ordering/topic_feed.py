@@ -22,6 +22,15 @@ fetches from. Behind it, one consumer process:
   is waited for) and the topic's ``fence`` has passed since it was appended, it
   records the command, acks it and hands the partition back.
 
+Retries keep order: the :class:`~msgpatterns.Consumer` (``ordered=True``) keeps a
+message that waits for a retry in the process, holding back the later messages of its
+key and of no other key. When it is dead-lettered, ``on_dead_letter`` decides:
+``"continue"`` (the default) lets the key's next message run; ``"stop"`` dead-letters
+every later message of that key this member fetches from that partition too (reason
+:class:`~msgpatterns.ordering.errors.KeyStopped`), so no later message of the key is
+applied after a gap. The stopped keys live in this member's memory: a takeover or a
+route change starts them afresh (replay the dead letters in order to resume a key).
+
 The handler never sees command messages, nor a message without a route version (a
 foreign publisher wrote straight into a partition stream or queue): such a message
 is dead-lettered with :class:`~msgpatterns.ordering.errors.UnroutedMessage` as the
@@ -90,7 +99,13 @@ class TopicFeed:
 
     def __init__(self, topic: OrderedTopic, group: str, *, owner: str | None = None,
                  lease_ttl: float = 10.0, refresh: float = 0.5,
-                 takeover_delay: float | None = None) -> None:
+                 takeover_delay: float | None = None,
+                 on_dead_letter: str = "continue") -> None:
+        if on_dead_letter not in ("continue", "stop"):
+            raise ConfigurationError(
+                f'on_dead_letter must be "continue" or "stop", got {on_dead_letter!r}')
+        self.on_dead_letter = on_dead_letter
+        self._stopped: set[tuple[int, str]] = set()  # (physical, key) after a dead letter
         if lease_ttl <= 0 or refresh <= 0 or refresh >= lease_ttl:
             raise ConfigurationError("need 0 < refresh < lease_ttl")
         if takeover_delay is None:
@@ -225,6 +240,9 @@ class TopicFeed:
                 if not _is_routed(message):
                     self._refuse(message)
                     continue
+                if (physical, message.key or "") in self._stopped:
+                    self._stop_key(message)
+                    continue
                 if held.recorded_at is not None:
                     self.stats.late += 1
                     log.warning("message %s reached %s partition %d after its command "
@@ -246,6 +264,27 @@ class TopicFeed:
         log.error("%s", error)
         self._inner.dead_letter(message, DeadLetter.from_error(
             message, error, now=self._inner.now(), reason="unrouted", group=self.group))
+
+    def check_key(self, message: Message) -> None:
+        """Raise :class:`~msgpatterns.ordering.errors.KeyStopped` when ``message``'s key
+        was stopped by a dead letter (``on_dead_letter="stop"``): the consumer then
+        dead-letters it. :meth:`OrderedTopic.consumer` calls it before the handler, for
+        the messages fetched before their key stopped."""
+        if not self._stopped:
+            return
+        try:
+            physical = self.topic.physical_of_topic(message.topic or "")
+        except ConfigurationError:
+            return
+        with self._lock:
+            stopped = (physical, message.key or "") in self._stopped
+        if stopped:
+            raise _key_stopped(message)
+
+    def _stop_key(self, message: Message) -> None:
+        self._inner.dead_letter(message, DeadLetter.from_error(
+            message, _key_stopped(message), now=self._inner.now(), reason="key-stopped",
+            group=self.group))
 
     def _reach_command(self, physical: int, held: _Held, message: Message) -> None:
         from msgpatterns.ordering.topic import RouteCommand
@@ -302,6 +341,14 @@ class TopicFeed:
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         self._inner.dead_letter(message, record)
+        if self.on_dead_letter == "stop":
+            try:
+                physical = self.topic.physical_of_topic(message.topic or "")
+            except ConfigurationError:
+                pass
+            else:
+                with self._lock:
+                    self._stopped.add((physical, message.key or ""))
         self._settled(message)
 
     def publish(self, topic: str, body: Any, *, key: str | None = None,
@@ -331,6 +378,13 @@ class TopicFeed:
 
     def __repr__(self) -> str:
         return f"TopicFeed({self.topic.name!r}, group={self.group!r}, held={self.held})"
+
+
+def _key_stopped(message: Message) -> Exception:
+    from msgpatterns.ordering.errors import KeyStopped
+
+    return KeyStopped(f"an earlier message of key {message.key!r} in {message.topic} was "
+                      "dead-lettered (on_dead_letter='stop')")
 
 
 def _is_routed(message: Message) -> bool:
