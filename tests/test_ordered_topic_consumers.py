@@ -76,7 +76,7 @@ def test_order_holds_with_retries_slow_handlers_and_duplicates(
     assert_ordered_exactly_once(result)
 
 
-@settings(max_examples=max(5, SCHEDULES // 10), deadline=None,
+@settings(max_examples=SCHEDULES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(steps=crash_steps_strategy, seed=st.integers(0, 2**32 - 1),
        lost_ack_rate=st.sampled_from([0.0, 0.1]))
@@ -151,3 +151,56 @@ def test_an_ordered_topic_needs_a_name(bad: Any) -> None:
 
     with pytest.raises(ConfigurationError):
         OrderedTopic(InMemoryBroker(), bad, routes=MemoryRouteStore())
+
+
+@pytest.mark.parametrize(("policy", "handled_a", "dead_a"), [
+    ("continue", ["a1", "a3"], ["a2"]),
+    ("stop", ["a1"], ["a2", "a3"]),
+])
+def test_a_dead_lettered_message_stops_its_key_or_lets_the_next_pass(
+        policy: str, handled_a: list[str], dead_a: list[str]) -> None:
+    """A retried message holds back its key only; once it is dead-lettered,
+    on_dead_letter decides whether the key's next message runs. Other keys go on."""
+    from msgpatterns import Reject, RetryPolicy
+
+    broker = InMemoryBroker(record_history=False)
+    topic = OrderedTopic(broker, f"dl-{policy}", routes=MemoryRouteStore(),
+                         logic_partitions=8, route_cache=0.0, fence=0.0)
+    topic.create(physical=1)
+    handled: list[str] = []
+    attempts: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def handle(message: Message) -> None:
+        body = text(message.body)
+        with lock:
+            attempts[body] = attempts.get(body, 0) + 1
+        if body == "a2":
+            if attempts[body] < 3:
+                raise RuntimeError("transient")  # retried: holds back a3, not b1
+            raise Reject("poison")
+        with lock:
+            handled.append(body)
+
+    for key, body in [("a", "a1"), ("a", "a2"), ("b", "b1"), ("a", "a3"), ("b", "b2")]:
+        topic.publish(key, body)
+    consumer = topic.consumer(handle, group="g", refresh=0.02, poll_timeout=0.02,
+                              on_dead_letter=policy, workers=2,
+                              retry=RetryPolicy(max_attempts=5, local_retries=5))
+    consumer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (len(handled) + len(broker.dead_letters) < 5
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+    finally:
+        consumer.stop(10)
+    assert [h for h in handled if h.startswith("a")] == handled_a
+    assert [h for h in handled if h.startswith("b")] == ["b1", "b2"]
+    dead = [text(d.message.raw_body) for d in broker.dead_letters]
+    assert dead == dead_a
+    assert attempts["a2"] == 3
+
+
+def text(body: Any) -> str:
+    return body.decode() if isinstance(body, bytes | bytearray) else str(body)
