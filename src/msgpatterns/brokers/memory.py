@@ -2,7 +2,9 @@
 
 It behaves like a real broker, not like a stub: every consumer group gets every
 message; a delivery that is not acked within the visibility timeout, or is nacked,
-comes back with ``attempt + 1``; nack delays and timeouts run on a virtual clock that
+comes back with ``attempt + 1`` (a timed-out delivery - its consumer died - goes back
+to the head of the queue, in publish order, before later messages, as on real
+brokers; a nacked one to the tail); nack delays and timeouts run on a virtual clock that
 tests can jump forward; dead letters are kept with their records. Seeded fault
 injection reproduces what real networks do: duplicate deliveries, reordering within
 a window, and acks lost on the way back (the message is redelivered later).
