@@ -179,6 +179,8 @@ def test_store_leases_have_one_owner_until_released_or_expired(store: RouteStore
     assert not store.lease("t", "g", 3, "b", now=105.0, ttl=10.0)
     assert store.lease("t", "g", 3, "a", now=105.0, ttl=10.0), "renewal"
     assert store.leases("t", "g", now=114.0) == {3: "a"}
+    assert store.expired_leases("t", "g", now=114.0) == {}
+    assert store.expired_leases("t", "g", now=115.0) == {3: "a"}, "a died: expired"
     assert store.lease("t", "g", 3, "b", now=115.5, ttl=10.0), "expired: taken over"
     assert store.leases("t", "g", now=116.0) == {3: "b"}
     store.release("t", "g", 3, "a")  # not the owner: nothing

@@ -2,7 +2,9 @@
 
 It behaves like a real broker, not like a stub: every consumer group gets every
 message; a delivery that is not acked within the visibility timeout, or is nacked,
-comes back with ``attempt + 1``; nack delays and timeouts run on a virtual clock that
+comes back with ``attempt + 1`` (a timed-out delivery - its consumer died - goes back
+to the head of the queue, in publish order, before later messages, as on real
+brokers; a nacked one to the tail); nack delays and timeouts run on a virtual clock that
 tests can jump forward; dead letters are kept with their records. Seeded fault
 injection reproduces what real networks do: duplicate deliveries, reordering within
 a window, and acks lost on the way back (the message is redelivered later).
@@ -477,14 +479,18 @@ class InMemoryBroker(BrokerAdapter):
     def _promote(self, group: str, lane: _Lane, now: float) -> None:
         while lane.delayed and lane.delayed[0][0] <= now:
             lane.ready.append(heapq.heappop(lane.delayed)[2])
+        timed_out: list[_Entry] = []
         while lane.leases and lane.leases[0][0] <= now:
             _, token, uid = heapq.heappop(lane.leases)
             held = lane.inflight.get(uid)
             if held is not None and held[0] == token:
                 del lane.inflight[uid]
-                lane.ready.append(held[2])
+                timed_out.append(held[2])
                 self.stats.timeouts += 1
                 self._event("timeout", held[2].id, group, lane.deliveries[uid])
+        if timed_out:  # like a real broker: a dead consumer's deliveries come back first
+            timed_out.sort(key=lambda entry: (entry.offset, entry.uid))
+            lane.ready.extendleft(reversed(timed_out))
 
     def _next_due(self, lanes: Sequence[tuple[str, _Lane]]) -> float | None:
         due: float | None = None

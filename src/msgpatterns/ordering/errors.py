@@ -10,7 +10,9 @@ from __future__ import annotations
 from msgpatterns.errors import ConfigurationError, MalformedMessage, Reject
 
 __all__ = [
-    "InvalidVersion", "MissingVersion", "RouteConflict", "RouteError", "VersionConflict",
+    "InvalidVersion", "KeyStopped", "MissingVersion", "RouteConflict", "RouteError",
+    "UnroutedMessage",
+    "VersionConflict",
 ]
 
 
@@ -21,6 +23,17 @@ class InvalidVersion(MalformedMessage):
 
 class MissingVersion(InvalidVersion):
     """A message has no version (or timestamp) field, so it cannot be ordered."""
+
+
+class UnroutedMessage(MalformedMessage):
+    """A message in an ordered topic's partition carries no route version: it was not
+    published with :meth:`OrderedTopic.publish`, so nothing says its partition is its
+    key's, and its order cannot be kept. It is dead-lettered, never handled."""
+
+
+class KeyStopped(Reject):
+    """An earlier message of this key was dead-lettered and the ordered topic's consumer
+    runs with ``on_dead_letter="stop"``: the later ones are dead-lettered too."""
 
 
 class VersionConflict(Reject):

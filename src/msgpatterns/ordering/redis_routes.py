@@ -147,11 +147,17 @@ class RedisRouteStore:
         self._release(keys=[self._key(topic, "leases", group)], args=[physical, owner])
 
     def leases(self, topic: str, group: str, now: float) -> dict[int, str]:
+        return self._leases(topic, group, now, live=True)
+
+    def expired_leases(self, topic: str, group: str, now: float) -> dict[int, str]:
+        return self._leases(topic, group, now, live=False)
+
+    def _leases(self, topic: str, group: str, now: float, *, live: bool) -> dict[int, str]:
         out: dict[int, str] = {}
         for physical, value in self.client.hgetall(self._key(topic, "leases", group)).items():
             text = value.decode() if isinstance(value, bytes) else value
             expires, _, owner = text.partition("|")
-            if float(expires) > now:
+            if (float(expires) > now) == live:
                 out[int(physical)] = owner
         return out
 

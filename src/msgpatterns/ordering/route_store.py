@@ -92,6 +92,12 @@ class RouteStore(Protocol):
         """The live leases: physical partition -> owner."""
         ...
 
+    def expired_leases(self, topic: str, group: str, now: float) -> dict[int, str]:
+        """Leases that ran out without being released: physical partition -> the owner
+        that stopped renewing (it died, or stalled). Whoever takes such a partition
+        over must let the broker redeliver what that owner had fetched first."""
+        ...
+
     def heartbeat(self, topic: str, group: str, owner: str, now: float, ttl: float) -> None:
         """``owner`` is a live member of ``group`` until ``now + ttl``."""
         ...
@@ -182,6 +188,11 @@ class MemoryRouteStore:
         with self._lock:
             return {p: o for (t, g, p), (o, until) in self._leases.items()
                     if t == topic and g == group and until > now}
+
+    def expired_leases(self, topic: str, group: str, now: float) -> dict[int, str]:
+        with self._lock:
+            return {p: o for (t, g, p), (o, until) in self._leases.items()
+                    if t == topic and g == group and until <= now}
 
     def heartbeat(self, topic: str, group: str, owner: str, now: float, ttl: float) -> None:
         with self._lock:

@@ -203,6 +203,14 @@ class SqlRouteStore:
                 lt.c.topic == topic, lt.c.grp == group, lt.c.expires > now))
             return {int(p): str(o) for p, o in rows}
 
+    def expired_leases(self, topic: str, group: str, now: float) -> dict[int, str]:
+        self._ready()
+        lt = self.leases_table
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(lt.c.physical, lt.c.owner).where(
+                lt.c.topic == topic, lt.c.grp == group, lt.c.expires <= now))
+            return {int(p): str(o) for p, o in rows}
+
     def heartbeat(self, topic: str, group: str, owner: str, now: float, ttl: float) -> None:
         self._ready()
         m = self.members_table

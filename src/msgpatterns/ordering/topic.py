@@ -107,11 +107,15 @@ class OrderedTopic:
         route_cache: publishers use a route read at most this many seconds ago.
         fence: how long after a command message its partition's consumer still reads
             it for late publishes before handing over (at least ``route_cache``).
+        groups: the consumer groups to create on a partition before anything is
+            published to it, on brokers that drop a message no group is subscribed to
+            (RabbitMQ: a queue per partition and group). :meth:`consumer` adds its
+            group; a process that only changes routes (the CLI) must name them.
     """
 
     def __init__(self, broker: Broker, name: str, *, routes: RouteStore,
                  logic_partitions: int = 1024, route_cache: float = 0.25,
-                 fence: float = 1.0) -> None:
+                 fence: float = 1.0, groups: Iterable[str] = ()) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigurationError("an ordered topic needs a non-empty name")
         if not isinstance(broker, Broker):
@@ -125,6 +129,7 @@ class OrderedTopic:
         self.logic_partitions = logic_partitions
         self.route_cache = route_cache
         self.fence = fence
+        self.groups: list[str] = list(dict.fromkeys(groups))
         self._lock = threading.Lock()
         self._table: list[int] = []
         self._version = "0"
@@ -147,6 +152,7 @@ class OrderedTopic:
     def create(self, physical: int) -> Route:
         """Create the topic with ``physical`` partitions; idempotent: an existing topic
         is left as it is and its committed route returned."""
+        self._declare(range(physical))
         route = self.store.create(self.name, initial_route(physical, self.logic_partitions))
         if route.logic_partitions != self.logic_partitions:
             raise ConfigurationError(
@@ -217,6 +223,7 @@ class OrderedTopic:
             self._append_commands_and_commit(state.pending)
             state = self.state()
         new: Route = make(state.committed)
+        self._declare(new.opened)  # before any publisher can route to them
         if not self.store.propose(self.name, new):
             raise RouteConflict(
                 f"another change of {self.name!r} won version {new.version}; "
@@ -224,6 +231,16 @@ class OrderedTopic:
         self._append_commands_and_commit(new)
         self._read_at = float("-inf")
         return new
+
+    def _declare(self, physicals: Iterable[int]) -> None:
+        """Create partitions ``physicals`` for every known group on brokers that need
+        it (``subscribe``: a RabbitMQ queue, a Redis consumer group)."""
+        subscribe = getattr(self.broker, "subscribe", None)
+        if subscribe is None:
+            return
+        for physical in physicals:
+            for group in self.groups:
+                subscribe(self.partition_topic(physical), group)
 
     def _append_commands_and_commit(self, route: Route) -> None:
         command = RouteCommand(self.name, route.version, route.closed, route.opened,
@@ -237,19 +254,46 @@ class OrderedTopic:
     # -- consuming ------------------------------------------------------------------
 
     def consumer(self, handler: Any, *, group: str, owner: str | None = None,
-                 lease_ttl: float = 10.0, refresh: float = 0.5, **options: Any) -> Consumer:
+                 lease_ttl: float = 10.0, refresh: float = 0.5,
+                 takeover_delay: float | None = None, on_dead_letter: str = "continue",
+                 **options: Any) -> Consumer:
         """A :class:`~msgpatterns.Consumer` over the physical partitions this process
         leases, following route versions one at a time (``ordered=True`` by default:
-        per-key order inside the process too)."""
+        per-key order inside the process too).
+
+        ``takeover_delay``: seconds a partition whose owner died waits before this
+        process reads it (default: the broker's ``visibility_timeout``), so that the
+        dead owner's unsettled messages are redelivered before later ones.
+
+        ``on_dead_letter``: after a message of a key is dead-lettered, ``"continue"``
+        lets the key's next message run, ``"stop"`` dead-letters the key's later
+        messages too (see :mod:`msgpatterns.ordering.topic_feed`)."""
         from msgpatterns.consumer import Consumer
         from msgpatterns.ordering.topic_feed import TopicFeed
 
-        feed = TopicFeed(self, group, owner=owner, lease_ttl=lease_ttl, refresh=refresh)
+        if group not in self.groups:
+            self.groups.append(group)
+        feed = TopicFeed(self, group, owner=owner, lease_ttl=lease_ttl, refresh=refresh,
+                         takeover_delay=takeover_delay, on_dead_letter=on_dead_letter)
         options.setdefault("ordered", True)
+        if on_dead_letter == "stop":
+            handler = _checking_stopped_keys(feed, handler)
         return Consumer(feed, handler, topics=[self.name], group=group, **options)
 
     def __repr__(self) -> str:
         return f"OrderedTopic({self.name!r}, routes={self.store!r})"
+
+
+def _checking_stopped_keys(feed: Any, handler: Any) -> Any:
+    """``handler``, refusing first a message whose key a dead letter stopped."""
+    import functools
+
+    @functools.wraps(handler)
+    def checked(message: Any) -> Any:
+        feed.check_key(message)
+        return handler(message)
+
+    return checked
 
 
 def _key_text(key: Key) -> str:

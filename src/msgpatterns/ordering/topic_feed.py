@@ -7,6 +7,13 @@ fetches from. Behind it, one consumer process:
   partitions, at most one owner per partition, up to its fair share
   (``ceil(partitions to consume / live members)``); a dead member's leases expire
   after ``lease_ttl`` and its partitions are taken over;
+* takes over a partition whose lease ran out (its owner died or stalled) only
+  ``takeover_delay`` seconds later (by default the broker's ``visibility_timeout``):
+  by then the broker redelivers what the dead owner had fetched and not settled, and
+  brokers hand such redeliveries out before later messages (Redis Streams claims
+  stale deliveries first, RabbitMQ requeues at the head, Kafka re-reads from the
+  committed offset, :class:`InMemoryBroker` puts timed-out deliveries back at the
+  head), so a key's unsettled message is handled before its later ones;
 * consumes a partition opened by a route change only after every partition that
   change closed has been recorded (by whichever member consumed it), so each key's
   messages in an old partition are handled before any of its messages in a new one;
@@ -15,7 +22,23 @@ fetches from. Behind it, one consumer process:
   is waited for) and the topic's ``fence`` has passed since it was appended, it
   records the command, acks it and hands the partition back.
 
-The handler never sees command messages. Route changes are followed one version at a
+Retries keep order: the :class:`~msgpatterns.Consumer` (``ordered=True``) keeps a
+message that waits for a retry in the process, holding back the later messages of its
+key and of no other key. When it is dead-lettered, ``on_dead_letter`` decides:
+``"continue"`` (the default) lets the key's next message run; ``"stop"`` dead-letters
+every later message of that key this member fetches from that partition too (reason
+:class:`~msgpatterns.ordering.errors.KeyStopped`), so no later message of the key is
+applied after a gap. The stopped keys live in this member's memory: a takeover or a
+route change starts them afresh (replay the dead letters in order to resume a key).
+
+The handler never sees command messages, nor a message without a route version (a
+foreign publisher wrote straight into a partition stream or queue): such a message
+is dead-lettered with :class:`~msgpatterns.ordering.errors.UnroutedMessage` as the
+reason, and the partition goes on. To publish from another language, read the route
+(see :class:`~msgpatterns.ordering.RedisRouteStore` and
+:class:`~msgpatterns.ordering.SqlRouteStore` for the layout), route the key yourself
+and set the ``x-msgpatterns-route-version`` and ``x-msgpatterns-logic-partition``
+headers. Route changes are followed one version at a
 time because each partition's successors wait for it, whatever the version history.
 """
 
@@ -58,10 +81,11 @@ class FeedStats:
 class _Held:
     """What this feed tracks of one leased partition."""
 
-    __slots__ = ("command", "command_at", "command_message", "outstanding", "recorded_at",
-                 "retrying")
+    __slots__ = ("command", "command_at", "command_message", "outstanding", "readable_at",
+                 "recorded_at", "retrying")
 
-    def __init__(self) -> None:
+    def __init__(self, readable_at: float = float("-inf")) -> None:
+        self.readable_at = readable_at  # a takeover waits for the dead owner's redeliveries
         self.outstanding: dict[str, int] = {}  # message id -> fetched, not settled
         self.retrying: set[str] = set()  # nacked: they come back to this partition
         self.command: int | None = None  # the version of the command message reached
@@ -74,9 +98,21 @@ class TopicFeed:
     """A Broker over the physical partitions of an ordered topic this process leases."""
 
     def __init__(self, topic: OrderedTopic, group: str, *, owner: str | None = None,
-                 lease_ttl: float = 10.0, refresh: float = 0.5) -> None:
+                 lease_ttl: float = 10.0, refresh: float = 0.5,
+                 takeover_delay: float | None = None,
+                 on_dead_letter: str = "continue") -> None:
+        if on_dead_letter not in ("continue", "stop"):
+            raise ConfigurationError(
+                f'on_dead_letter must be "continue" or "stop", got {on_dead_letter!r}')
+        self.on_dead_letter = on_dead_letter
+        self._stopped: set[tuple[int, str]] = set()  # (physical, key) after a dead letter
         if lease_ttl <= 0 or refresh <= 0 or refresh >= lease_ttl:
             raise ConfigurationError("need 0 < refresh < lease_ttl")
+        if takeover_delay is None:
+            takeover_delay = float(getattr(topic.broker, "visibility_timeout", 0.0) or 0.0)
+        if takeover_delay < 0:
+            raise ConfigurationError("takeover_delay must be >= 0")
+        self.takeover_delay = takeover_delay
         self.topic = topic
         self.group = group
         self.owner = owner or uuid.uuid4().hex
@@ -125,13 +161,20 @@ class TopicFeed:
                     del self._held[physical]
             self._release_done()
             leases = self._store.leases(name, group, now)
+            dead = self._store.expired_leases(name, group, now) if wanted else {}
             for physical in sorted(wanted):
                 if len(self._held) >= share:
                     break
                 if physical in self._held or physical in leases:
                     continue
                 if self._store.lease(name, group, physical, self.owner, now, self.lease_ttl):
-                    self._held[physical] = _Held()
+                    taken_over = dead.get(physical, self.owner) != self.owner
+                    if taken_over:
+                        log.warning("%s partition %d: lease of %s ran out; taking over in "
+                                    "%.3gs", name, physical, dead[physical],
+                                    self.takeover_delay)
+                    self._held[physical] = _Held(
+                        now + self.takeover_delay if taken_over else float("-inf"))
                     self.stats.leases_taken += 1
             for physical in sorted(self._held, reverse=True):
                 if len(self._held) <= share:
@@ -175,7 +218,9 @@ class TopicFeed:
         self._maybe_refresh()
         with self._lock:
             self._record_ready()
-            readable = [self.topic.partition_topic(p) for p in sorted(self._held)]
+            now = self._now()
+            readable = [self.topic.partition_topic(p) for p, held in sorted(self._held.items())
+                        if held.readable_at <= now]
         if not readable:
             self._wake.wait(min(timeout, self.refresh))
             return []
@@ -192,6 +237,12 @@ class TopicFeed:
                 if _is_command(message):
                     self._reach_command(physical, held, message)
                     continue
+                if not _is_routed(message):
+                    self._refuse(message)
+                    continue
+                if (physical, message.key or "") in self._stopped:
+                    self._stop_key(message)
+                    continue
                 if held.recorded_at is not None:
                     self.stats.late += 1
                     log.warning("message %s reached %s partition %d after its command "
@@ -203,6 +254,37 @@ class TopicFeed:
                 out.append(message)
             self._record_ready()
         return out
+
+    def _refuse(self, message: Message) -> None:
+        from msgpatterns.ordering.errors import UnroutedMessage
+
+        error = UnroutedMessage(
+            f"message {message.id} in {message.topic} has no route version: it was not "
+            "published with OrderedTopic.publish, so its order cannot be kept")
+        log.error("%s", error)
+        self._inner.dead_letter(message, DeadLetter.from_error(
+            message, error, now=self._inner.now(), reason="unrouted", group=self.group))
+
+    def check_key(self, message: Message) -> None:
+        """Raise :class:`~msgpatterns.ordering.errors.KeyStopped` when ``message``'s key
+        was stopped by a dead letter (``on_dead_letter="stop"``): the consumer then
+        dead-letters it. :meth:`OrderedTopic.consumer` calls it before the handler, for
+        the messages fetched before their key stopped."""
+        if not self._stopped:
+            return
+        try:
+            physical = self.topic.physical_of_topic(message.topic or "")
+        except ConfigurationError:
+            return
+        with self._lock:
+            stopped = (physical, message.key or "") in self._stopped
+        if stopped:
+            raise _key_stopped(message)
+
+    def _stop_key(self, message: Message) -> None:
+        self._inner.dead_letter(message, DeadLetter.from_error(
+            message, _key_stopped(message), now=self._inner.now(), reason="key-stopped",
+            group=self.group))
 
     def _reach_command(self, physical: int, held: _Held, message: Message) -> None:
         from msgpatterns.ordering.topic import RouteCommand
@@ -249,6 +331,7 @@ class TopicFeed:
     def ack(self, message: Message) -> None:
         self._inner.ack(message)
         self._settled(message)
+        self._maybe_refresh()  # a consumer busy with a full window still renews its leases
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         # The message comes back from the same partition: until it is fetched again it
@@ -258,6 +341,14 @@ class TopicFeed:
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         self._inner.dead_letter(message, record)
+        if self.on_dead_letter == "stop":
+            try:
+                physical = self.topic.physical_of_topic(message.topic or "")
+            except ConfigurationError:
+                pass
+            else:
+                with self._lock:
+                    self._stopped.add((physical, message.key or ""))
         self._settled(message)
 
     def publish(self, topic: str, body: Any, *, key: str | None = None,
@@ -287,6 +378,19 @@ class TopicFeed:
 
     def __repr__(self) -> str:
         return f"TopicFeed({self.topic.name!r}, group={self.group!r}, held={self.held})"
+
+
+def _key_stopped(message: Message) -> Exception:
+    from msgpatterns.ordering.errors import KeyStopped
+
+    return KeyStopped(f"an earlier message of key {message.key!r} in {message.topic} was "
+                      "dead-lettered (on_dead_letter='stop')")
+
+
+def _is_routed(message: Message) -> bool:
+    from msgpatterns.ordering.topic import ROUTE_VERSION
+
+    return ROUTE_VERSION in message.headers
 
 
 def _is_command(message: Message) -> bool:
