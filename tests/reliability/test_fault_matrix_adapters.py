@@ -151,7 +151,7 @@ def nats_target(unique: str) -> Target:
     topic = f"fxm.{unique}"
     parts = urlsplit(url)
     proxy = FaultProxy(parts.hostname or "127.0.0.1", parts.port or 4222)
-    publisher = NatsJetStreamBroker(url, name=f"fxm-{unique}-pub")
+    publisher = NatsJetStreamBroker(url, name=f"fxm-{unique}-pub", visibility_timeout=60)
     publisher.subscribe(topic, "g")
     stream = NatsJetStreamBroker.stream_name(topic)
 
@@ -363,11 +363,12 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
             async def handle_async(message: Message) -> None:
                 apply(message)
 
-            handler: Any = idempotent(checker, group="g")(handle_async) if checker \
-                else handle_async
+            handler: Any = handle_async if checker is None \
+                else idempotent(checker, group="g")(handle_async)
             return AsyncConsumer(ThreadedAsyncBroker(broker), handler, topics=[target.topic],
                                  group="g", max_in_flight=IN_FLIGHT, **options)
-        handler = idempotent(checker, group="g")(apply) if checker else apply
+        # (``is None``: an empty MemoryChecker is falsy, it has a length)
+        handler = apply if checker is None else idempotent(checker, group="g")(apply)
         return Consumer(broker, handler, topics=[target.topic], group="g", workers=4,
                         max_in_flight=IN_FLIGHT, **options)
 
@@ -430,7 +431,7 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
                     recoveries.append(time.monotonic() - faulted_at)
         finished = all_in(N)
         effects_s = time.monotonic() - began
-        stranded = wait_drained(target, 30)
+        stranded = wait_drained(target, 10)
         seconds = time.monotonic() - began
     finally:
         with contextlib.suppress(Exception):
