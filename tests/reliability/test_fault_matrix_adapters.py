@@ -301,8 +301,31 @@ ADAPTERS = [("rabbitmq", "sync"), ("nats", "sync"), ("nats", "async"), ("kafka",
 MARKS = {"rabbitmq": pytest.mark.rabbitmq, "nats": pytest.mark.nats,
          "kafka": pytest.mark.kafka}
 
-#: Combinations that found a bug in the adapter: strict xfails (see the report).
-KNOWN: dict[tuple[str, str, str, str], str] = {}
+#: Combinations that found a bug in an adapter (not fixed here: see issue 19's notes).
+#: NATS: ``NatsJetStreamBroker.ack`` hands the ack to nats-py without waiting; acks
+#: written just before the connection dies are lost with it and never sent again after
+#: nats-py reconnects, so those deliveries - their effects applied - stay in the durable's
+#: ``num_ack_pending`` until ``ack_wait`` (the broker's visibility_timeout) redelivers
+#: them: stranded after the drain. Not strict: whether an ack is on the wire at the
+#: instant of the fault is timing (stranded 2-19 in most runs, 0 in some).
+NATS_LOST_ACKS = (
+    "NatsJetStreamBroker.ack is fire-and-forget: acks in flight when the connection dies "
+    "are lost and not re-sent after nats-py reconnects; their deliveries stay "
+    "num_ack_pending until ack_wait (visibility_timeout) expires - stranded after the drain")
+#: Kafka: after the mock cluster's broker is down for a second and up again, every run
+#: stalled about 60 s before the last messages were consumed, and in 2 of 4 runs the
+#: group's committed offsets were still 34-58 behind the end 10-30 s after every effect
+#: was applied (a consumer stopped then reads them again). Not strict: timing.
+KAFKA_COMMITS_LAG = (
+    "KafkaBroker after a broker down/up: consumption stalls ~60 s, and the committed "
+    "offsets can stay behind the end offsets after the drain (34-58 in 2 of 4 runs)")
+KNOWN: dict[tuple[str, str, str, str], str] = {
+    ("nats", kind, mode, fault): NATS_LOST_ACKS
+    for kind in ("sync", "async") for mode in ("plain", "idempotent")
+    for fault in ("server-close", "lost-reply", "stop-close-race")
+}
+KNOWN.update({("kafka", "sync", mode, "server-close"): KAFKA_COMMITS_LAG
+              for mode in ("plain", "idempotent")})
 
 
 def combinations() -> Iterator[Any]:
@@ -314,7 +337,7 @@ def combinations() -> Iterator[Any]:
                 marks = [MARKS[adapter]]
                 reason = KNOWN.get((adapter, kind, mode, fault))
                 if reason:
-                    marks.append(pytest.mark.xfail(strict=True, reason=reason))
+                    marks.append(pytest.mark.xfail(strict=False, reason=reason))
                 yield pytest.param(adapter, kind, mode, fault, marks=marks,
                                    id=f"{adapter}-{kind}-{mode}-{fault}")
 
@@ -426,7 +449,9 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
                         faults += 1
                 else:
                     faults += min(target.server_close(), 1)
-                if effects.wait_for(lambda a=at: len(effects.count) > a + IN_FLIGHT,
+                # past what the consumer held (prefetched and running): from the new
+                # connection
+                if effects.wait_for(lambda a=at: len(effects.count) > a + 2 * IN_FLIGHT,
                                     WAIT):
                     recoveries.append(time.monotonic() - faulted_at)
         finished = all_in(N)
