@@ -61,6 +61,7 @@ N = 200  # messages per combination
 PER_WAVE = 50  # killed-while-idle: a fault after each wave but the last
 IN_FLIGHT = 16  # the most deliveries a consumer holds (workers, max_in_flight)
 WAIT = 60.0  # generous: CI is loaded
+NATS_ACK_WAIT = 180.0  # the NATS durables' ack_wait: longer than WAIT
 
 
 # -- the adapters ---------------------------------------------------------------------
@@ -151,7 +152,10 @@ def nats_target(unique: str) -> Target:
     topic = f"fxm.{unique}"
     parts = urlsplit(url)
     proxy = FaultProxy(parts.hostname or "127.0.0.1", parts.port or 4222)
-    publisher = NatsJetStreamBroker(url, name=f"fxm-{unique}-pub", visibility_timeout=60)
+    # ack_wait longer than any wait of the test: what is only redelivered by ack_wait
+    # shows as stranded (or stalled), never as a late success
+    publisher = NatsJetStreamBroker(url, name=f"fxm-{unique}-pub",
+                                    visibility_timeout=NATS_ACK_WAIT)
     publisher.subscribe(topic, "g")
     stream = NatsJetStreamBroker.stream_name(topic)
 
@@ -191,7 +195,7 @@ def nats_target(unique: str) -> Target:
     return Target(
         "nats", topic,
         make_broker=lambda: NatsJetStreamBroker(proxy.url(url), name=f"fxm-{unique}",
-                                                visibility_timeout=60),
+                                                visibility_timeout=NATS_ACK_WAIT),
         publish=publish, stranded=stranded, server_close=proxy.kill_all, proxy=proxy,
         cleanup=[cleanup])
 
