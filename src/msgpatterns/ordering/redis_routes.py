@@ -14,8 +14,8 @@ from typing import Any
 
 from msgpatterns._extras import require
 from msgpatterns._redact import redact_url
-from msgpatterns.ordering.route_store import TopicState
-from msgpatterns.ordering.routes import Route, check_successor
+from msgpatterns.ordering.route_store import TopicState, may_propose
+from msgpatterns.ordering.routes import Route
 
 __all__ = ["RedisRouteStore"]
 
@@ -114,12 +114,8 @@ class RedisRouteStore:
         return [Route.from_json(stored[v]) for v in sorted(stored, key=int)]
 
     def propose(self, topic: str, route: Route) -> bool:
-        state = self.state(topic)
-        if state is None or state.pending is not None:
+        if not may_propose(self.state(topic), route):
             return False
-        if state.committed.version != route.version - 1:
-            return False
-        check_successor(state.committed, route)
         return bool(self._propose(keys=self._topic_keys(topic),
                                   args=[route.version - 1, route.version, route.to_json()]))
 

@@ -27,7 +27,7 @@ from typing import Protocol, runtime_checkable
 
 from msgpatterns.ordering.routes import Route, check_successor
 
-__all__ = ["MemoryRouteStore", "RouteStore", "TopicState"]
+__all__ = ["MemoryRouteStore", "RouteStore", "TopicState", "may_propose"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,19 @@ class TopicState:
         """The route publishers use: the pending change's once it is proposed (its
         closed partitions take no new messages)."""
         return self.pending or self.committed
+
+
+def may_propose(state: TopicState | None, route: Route) -> bool:
+    """Whether ``route`` may become ``state``'s pending change: the topic exists,
+    nothing is pending and ``route`` is the next version. RouteError when it is the
+    next version but not one valid change of the committed route. (The store's own
+    compare-and-set still decides between racing proposers.)"""
+    if state is None or state.pending is not None:
+        return False
+    if state.committed.version != route.version - 1:
+        return False
+    check_successor(state.committed, route)
+    return True
 
 
 @runtime_checkable
@@ -145,11 +158,9 @@ class MemoryRouteStore:
     def propose(self, topic: str, route: Route) -> bool:
         with self._lock:
             history = self._history.get(topic)
-            if not history or topic in self._pending:
+            state = TopicState(history[-1], self._pending.get(topic)) if history else None
+            if not may_propose(state, route):
                 return False
-            if history[-1].version != route.version - 1:
-                return False
-            check_successor(history[-1], route)
             self._pending[topic] = route
             return True
 

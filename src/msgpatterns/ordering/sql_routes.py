@@ -22,8 +22,8 @@ import sqlalchemy as sa  # noqa: E402
 from sqlalchemy.engine import Engine  # noqa: E402
 
 from msgpatterns._sql import OnFirstUse, create_table, insert_if_absent  # noqa: E402
-from msgpatterns.ordering.route_store import TopicState  # noqa: E402
-from msgpatterns.ordering.routes import Route, check_successor  # noqa: E402
+from msgpatterns.ordering.route_store import TopicState, may_propose  # noqa: E402
+from msgpatterns.ordering.routes import Route  # noqa: E402
 
 __all__ = ["SqlRouteStore"]
 
@@ -120,12 +120,8 @@ class SqlRouteStore:
             return [Route.from_json(text) for (text,) in conn.execute(query)]
 
     def propose(self, topic: str, route: Route) -> bool:
-        state = self.state(topic)
-        if state is None or state.pending is not None:
+        if not may_propose(self.state(topic), route):
             return False
-        if state.committed.version != route.version - 1:
-            return False
-        check_successor(state.committed, route)
         t = self.topics
         with self.engine.begin() as conn:
             done = conn.execute(
