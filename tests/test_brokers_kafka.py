@@ -4,10 +4,15 @@ dead-letter topic's headers."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -157,9 +162,42 @@ def test_shuffled_acks_never_commit_past_the_first_unacked_offset(
 # -- rebalances (the classic protocol: revoke everything, then reassign) ----------------
 
 
+_CHILD = "MSGPATTERNS_KAFKA_REBALANCE_CHILD"
+
+
 def test_rebalance_commits_the_settled_prefix_and_drops_revoked_work(
-    bootstrap: str, topic: str, brokers: list[Any]
+    bootstrap: str, topic: str, brokers: list[Any], tmp_path: Any
 ) -> None:
+    """Runs in a child pytest: closing a classic-protocol consumer while its group
+    rebalances can block forever inside librdkafka holding the GIL (librdkafka #4041:
+    ``rd_kafka_consumer_close0 -> Consumer_rebalance_cb -> rd_kafka_rebalance_protocol``,
+    seen on the mock cluster), which no timeout in the process can end. The child marks
+    when every assertion has passed; a child stuck after that mark is that upstream
+    hang in its teardown, and is killed."""
+    if os.environ.get(_CHILD):
+        _rebalance_scenario(bootstrap, topic, brokers)
+        Path(os.environ[_CHILD]).write_text("passed")
+        return
+    mark = tmp_path / "rebalance-passed"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=120",
+         f"{__file__}::test_rebalance_commits_the_settled_prefix_and_drops_revoked_work"],
+        env={**os.environ, _CHILD: str(mark)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = child.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, _ = child.communicate()
+        assert mark.exists(), f"the rebalance scenario did not finish:\n{out}"
+        warnings.warn("a classic-protocol consumer's close hung in librdkafka after the "
+                      "scenario passed (librdkafka #4041); the child was killed",
+                      stacklevel=1)
+        return
+    assert child.returncode == 0 and mark.exists(), out
+
+
+def _rebalance_scenario(bootstrap: str, topic: str, brokers: list[Any]) -> None:
     classic = {"group.protocol": "classic", "session.timeout.ms": 4000,
                "heartbeat.interval.ms": 100}
     for partition in range(4):
