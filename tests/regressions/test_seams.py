@@ -182,7 +182,8 @@ def test_subcommands_are_registered_explicitly() -> None:
     from msgpatterns import cli
 
     assert [r.__module__ for r in cli.COMMANDS] == [
-        "msgpatterns.cli.demo", "msgpatterns.cli.dedup", "msgpatterns.cli.dlq"]
+        "msgpatterns.cli.demo", "msgpatterns.cli.dedup", "msgpatterns.cli.dlq",
+        "msgpatterns.cli.topic"]
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
     assert exit_info.value.code == 0
