@@ -12,8 +12,10 @@ same run. Every measurement alternates ours and the baseline over ``--repeats`` 
    Goal: >= 0.7x each.
 4. ``@idempotent`` with a RedisChecker vs Powertools' ``idempotent_function`` with its
    Redis persistence layer, one new message per call. Goal: ours >= 3x faster per
-   message. Measured with write-behind completion (one round trip per message) and,
-   for reference, strict completion (two round trips, like Powertools).
+   message, with strict completion (two round trips, like Powertools) and with
+   write-behind (one round trip per message, completions written in batches). Beside
+   each ratio: client CPU per message (this process, every thread) and Redis round
+   trips per message (redis-py ``send_packed_command`` calls), each side.
 5. ``@idempotent`` strict, as a Consumer handler (in-memory broker, the fetched batch's
    keys claimed in one round trip and completed in one, DONE before the acks) vs
    Powertools' ``idempotent_function`` called per message, same Redis. Goal: >= 5x
@@ -24,6 +26,14 @@ same run. Every measurement alternates ours and the baseline over ``--repeats`` 
 7. Async ``@idempotent`` on an ``async def`` with AsyncRedisChecker (``redis.asyncio``,
    one message after another on the loop) vs the sync ``@idempotent`` with RedisChecker,
    per message, strict. Goal: >= 0.8x the sync rate.
+8. ``@idempotent(RedisChecker)`` (strict) on a function called inside a Consumer
+   handler - so no batch claims: one claim and one completion per message - on Redis
+   Streams, vs FastStream's Redis Streams subscriber calling a function guarded by
+   Powertools' ``idempotent_function`` (bench_peers.py's two contenders). Goal: >= 5x
+   the messages per second. CPU per message (the process, from the first message
+   handled to the last) and round trips per message beside (the sync redis-py
+   client's: Powertools' on their side, the checker's and the broker's on ours; each
+   side's publishing too, about 0.001 a message).
 
     python benchmarks/bench_idempotency.py [--keys N] [--repeats R]
         [--redis-url URL] [--postgres-url URL] [--only powertools|versions|async]
@@ -34,10 +44,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -67,6 +79,55 @@ def median_pair(repeats: int, ours: Callable[[], float], baseline: Callable[[], 
 
 def rate(count: int, elapsed: float) -> float:
     return count / elapsed
+
+
+class Sampled:
+    """A contender's round (returning wall seconds) that also keeps each round's CPU
+    seconds (this process, every thread; or what ``cpu_of`` says the round's timed part
+    took) and redis-py round trips."""
+
+    def __init__(self, run: Callable[[], float],
+                 cpu_of: Callable[[], float] | None = None) -> None:
+        self.run = run
+        self.cpu_of = cpu_of
+        self.cpu: list[float] = []
+        self.trips: list[int] = []
+
+    def __call__(self) -> float:
+        with round_trips() as trips:
+            cpu = time.process_time()
+            wall = self.run()
+            cpu = time.process_time() - cpu
+        self.cpu.append(cpu if self.cpu_of is None else self.cpu_of())
+        self.trips.append(trips[0])
+        return wall
+
+    def per_message(self, n: int) -> dict[str, float]:
+        """Median CPU microseconds and round trips per message (the warm-up left out)."""
+        return {"cpu_us": round(statistics.median(self.cpu[1:]) / n * 1e6, 1),
+                "round_trips": round(statistics.median(self.trips[1:]) / n, 3)}
+
+
+@contextmanager
+def round_trips() -> Iterator[list[int]]:
+    """Count the sync redis-py client's round trips (``send_packed_command`` calls: one
+    per command sent alone, one per pipeline) while the block runs, every thread."""
+    from redis.connection import AbstractConnection
+
+    count = [0]
+    lock = threading.Lock()
+    send = AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        with lock:
+            count[0] += 1
+        send(self, command, check_health)
+
+    AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
 
 
 class Keys:
@@ -283,23 +344,26 @@ def decorator_vs_powertools(url: str, n: int, repeats: int) -> None:
         after()  # write-behind: every completion is written before the clock stops
         return time.perf_counter() - start
 
-    def theirs() -> float:
-        return timing(lambda record: powertools(record=record), lambda: None)
-
     for mode, write_behind in (("write-behind", 0.005), ("strict", None)):
         checker = RedisChecker(client, namespace="bench", write_behind=write_behind)
         handler = ours_handler(checker)
 
-        def ours(handler: Callable[..., Any] = handler, checker: RedisChecker = checker,
-                 ) -> float:
+        def run_ours(handler: Callable[..., Any] = handler, checker: RedisChecker = checker,
+                     ) -> float:
             return timing(handler, checker.flush)
 
+        ours = Sampled(run_ours)
+        theirs = Sampled(lambda: timing(lambda record: powertools(record=record),
+                                        lambda: None))
         mine, base = median_pair(repeats, ours, theirs)
         speedup = base / mine
+        mine_per, base_per = ours.per_message(n), theirs.per_message(n)
         bench_line("idempotency.decorator_vs_powertools",
                    f"us per new message, @idempotent ({mode}) vs idempotent_function",
                    mine / n * 1e6, base / n * 1e6, speedup, ">= 3x faster", speedup >= 3.0,
-                   messages=n, completion=mode)
+                   messages=n, completion=mode, cpu_us=mine_per["cpu_us"],
+                   baseline_cpu_us=base_per["cpu_us"], round_trips=mine_per["round_trips"],
+                   baseline_round_trips=base_per["round_trips"])
         checker.close()
     cleanup(client, "bench:*")
     cleanup(client, "*process#*")
@@ -347,6 +411,31 @@ def consumer_batch_vs_powertools(url: str, n: int, repeats: int) -> None:
     checker.close()
     cleanup(client, "bench:*")
     cleanup(client, "*process#*")
+
+
+def inside_handler_vs_faststream(n: int, repeats: int) -> None:
+    """8: @idempotent called inside a Consumer handler vs FastStream + Powertools."""
+    from bench_peers import Counter, Run, faststream_redis, ours_redis
+
+    def consumed_cpu() -> float:  # from the first message handled to the last
+        assert Counter.last is not None
+        return Counter.last.cpu
+
+    def contender(run: Callable[[Run], float], inside: bool) -> Sampled:
+        return Sampled(lambda: run(Run(n, True, "", 600.0, uuid.uuid4().hex[:10],
+                                       inside=inside)), consumed_cpu)
+
+    ours, theirs = contender(ours_redis, True), contender(faststream_redis, False)
+    mine, base = median_pair(repeats, ours, theirs)
+    speedup = base / mine
+    mine_per, base_per = ours.per_message(n), theirs.per_message(n)
+    bench_line("idempotency.inside_handler_vs_faststream",
+               "msgs/s, Consumer + a call of an @idempotent function (strict, no batch "
+               "claims) vs FastStream + Powertools idempotent_function, Redis Streams",
+               n / mine, n / base, speedup, ">= 5x", speedup >= 5.0, messages=n,
+               cpu_us=mine_per["cpu_us"], baseline_cpu_us=base_per["cpu_us"],
+               round_trips=mine_per["round_trips"],
+               baseline_round_trips=base_per["round_trips"])
 
 
 def guard_cost(n: int, repeats: int) -> None:
@@ -446,7 +535,7 @@ def main() -> None:
     parser.add_argument("--redis-url", default=services.url("redis"))
     parser.add_argument("--postgres-url", default=services.url("postgres"))
     parser.add_argument("--only", choices=["powertools", "versions", "async"], default=None,
-                        help="only the comparisons with Powertools (4 and 5), only "
+                        help="only the comparisons with Powertools (4, 5 and 8), only "
                         "the rows that compare versions (1, 2, 6, 7), or only the async "
                         "one (7)")
     args = parser.parse_args()
@@ -465,6 +554,7 @@ def main() -> None:
         postgres_batch(args.postgres_url, args.keys, args.repeats)
     decorator_vs_powertools(args.redis_url, args.keys, args.repeats)
     consumer_batch_vs_powertools(args.redis_url, args.keys, args.repeats)
+    inside_handler_vs_faststream(args.keys, args.repeats)
     if args.only is None:
         guard_cost(args.keys * 4, args.repeats)
         async_vs_sync(args.redis_url, args.keys, args.repeats)

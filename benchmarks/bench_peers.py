@@ -73,6 +73,9 @@ class Run:
     queue_type: str  # "classic" / "quorum" (RabbitMQ); "" for Redis
     timeout: float
     uid: str
+    #: msgpatterns: the guarded function is called inside a plain handler (no batch
+    #: claims: one claim and one completion per message), as bench_idempotency case 8.
+    inside: bool = False
 
     @property
     def name(self) -> str:
@@ -83,18 +86,28 @@ class Run:
 
 
 class Counter:
-    """Counts handled messages; ``wait`` returns when all ``n`` are in or raises."""
+    """Counts handled messages; ``wait`` returns when all ``n`` are in or raises.
+    ``cpu``: the process's CPU seconds (every thread) from the first message handled
+    to the last; ``Counter.last`` is the latest counter that saw all of its messages."""
+
+    last: Counter | None = None
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.count = 0
         self.lock = threading.Lock()
         self.done = threading.Event()
+        self.cpu_started = self.cpu = 0.0
 
     def hit(self) -> None:
         with self.lock:
             self.count += 1
+            if self.count == 1:
+                self.cpu_started = time.process_time()
             if self.count >= self.n:
+                if not self.done.is_set():
+                    self.cpu = time.process_time() - self.cpu_started
+                    Counter.last = self
                 self.done.set()
 
     def wait(self, timeout: float) -> None:
@@ -198,6 +211,16 @@ def ours_handler(run: Run, counter: Counter, client: Any) -> Callable[[Message],
     if not run.idempotent:
         return handle
     checker = RedisChecker(client, namespace=run.name)
+    if run.inside:
+        def hit(body: bytes) -> None:
+            counter.hit()
+
+        once = idempotent(checker, key=lambda body: body, group="bench")(hit)
+
+        def handle_inside(message: Message) -> None:
+            once(message.raw_body)
+
+        return handle_inside
     guarded: Callable[[Message], None] = idempotent(
         checker, key=lambda message: message.raw_body, group="bench")(handle)
     return guarded

@@ -2,18 +2,22 @@
 
 1. PostgreSQL, ``--rows`` rows (1M; distinct keys in scrambled order), every row an
    update (the table holds each key at version 0 before every run): ``upsert_latest``
-   (Spark keeps the newest row per key, then executors COPY chunks of ``--chunk`` rows
-   into a staging table and write each with one ``INSERT ... SELECT ... ON CONFLICT DO
-   UPDATE ... WHERE version <``, one transaction per chunk) vs the database's own
-   limit measured with psycopg 3 directly in the same run: the same rows, already in
-   the driver's memory, COPYed in one stream into a temporary staging table plus ONE
-   ``INSERT ... SELECT ... ON CONFLICT DO UPDATE ... WHERE version <``.
-   Goal: ours >= 0.5x the baseline's rows/s.
+   (Spark keeps the newest row per key, then executors COPY chunks of ``--chunk`` rows,
+   upsert_latest's default, into a staging table and write each with one ``INSERT ...
+   SELECT ... ON CONFLICT DO UPDATE ... WHERE version <``, one transaction per chunk)
+   vs the database's own limit measured with psycopg 3 directly in the same run: the
+   same rows, already in the driver's memory, COPYed in one stream into a temporary
+   staging table plus ONE ``INSERT ... SELECT ... ON CONFLICT DO UPDATE ... WHERE
+   version <``. Both sides also print their CPU per row: Spark's processes (driver,
+   executors, their Python workers) plus the backends serving upsert_latest, vs the
+   client thread plus its backend.
    The same measure on each of ``--sessions``: ``local`` (``local[2]``), ``cluster``
    (a standalone master and two 1-core workers started from the pyspark package) and
    ``connect`` (a Spark Connect server on ``local[2]``), each against the limit measured
    in the same run. Goals: local[2] >= 0.9x the limit, cluster >= 0.8x local[2],
-   Connect >= 0.8x classic local[2].
+   Connect >= 0.8x classic local[2]. The sessions run one after another, so the last
+   two compare rates measured at different times; ``normalized`` in their lines
+   compares each session's ratio to its own same-run limit instead.
 2. Rows/s of ``upsert_latest`` on ``local[1]`` vs ``local[2]`` (``--scale-rows`` rows,
    same setup; 0 skips it). Goal: >= 1.4x. (This machine has two cores and also runs
    PostgreSQL.)
@@ -25,23 +29,26 @@
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from _bench import bench_line, timed
 
-from msgpatterns.spark import upsert_latest
+from msgpatterns.spark import UpsertResult, upsert_latest
 from msgpatterns.spark.local import local_spark
 from msgpatterns.testing import services
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-CHUNK = 1000
+#: upsert_latest's default batch_size.
+CHUNK = 10_000
 
 
 def orders(name: str) -> sa.Table:
@@ -96,12 +103,60 @@ def prefill(url: str, table: str, rows: int) -> None:
         conn.execute(f"VACUUM ANALYZE {table}")
 
 
-def copy_staging_upsert(url: str, table: str, data: list[tuple[int, int, str, int]]) -> float:
+#: The application_name of upsert_latest's connections (its backends are found by it).
+APP = "bench_spark_upsert_latest"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the live processes ``pids`` have used."""
+    total = 0.0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # gone
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
+
+
+class Cpu:
+    """CPU seconds of the Spark side (process trees: driver, executors, their Python
+    workers, this process) and of PostgreSQL's backends serving ``APP``."""
+
+    def __init__(self, url: str, roots: Callable[[], list[int]]) -> None:
+        self.url = url
+        self.roots = roots
+
+    def spark(self) -> float:
+        from msgpatterns.spark.servers import descendants
+
+        pids = [tree for root in self.roots() for tree in (root, *descendants(root))]
+        return cpu_seconds(pids) + time.process_time()
+
+    def backends(self) -> float:
+        import psycopg
+
+        with psycopg.connect(raw_url(self.url), autocommit=True) as conn:
+            pids = [int(r[0]) for r in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (APP,))]
+        return cpu_seconds(pids)
+
+    def now(self) -> tuple[float, float]:
+        return self.spark(), self.backends()
+
+
+def copy_staging_upsert(url: str, table: str,
+                        data: list[tuple[int, int, str, int]]) -> tuple[float, float]:
     """psycopg 3 directly: COPY ``data`` into a temporary staging table, then ONE
-    INSERT ... SELECT ... ON CONFLICT DO UPDATE ... WHERE version <. Seconds."""
+    INSERT ... SELECT ... ON CONFLICT DO UPDATE ... WHERE version <. (Seconds, CPU
+    seconds of this thread and of the backend.)"""
     import psycopg
 
     with psycopg.connect(raw_url(url)) as conn:
+        backend = conn.info.backend_pid
+        cpu = time.thread_time() + cpu_seconds([backend])
         start = time.perf_counter()
         conn.execute(f"CREATE TEMPORARY TABLE stage ON COMMIT DROP AS "
                      f"SELECT order_id, version, status, amount FROM {table} WITH NO DATA")
@@ -117,54 +172,66 @@ def copy_staging_upsert(url: str, table: str, data: list[tuple[int, int, str, in
             f"WHERE {table}.version IS NULL OR {table}.version < excluded.version").rowcount
         conn.commit()
         elapsed = time.perf_counter() - start
+        cpu = time.thread_time() + cpu_seconds([backend]) - cpu
     assert written == len(data), (written, len(data))
-    return elapsed
+    return elapsed, cpu
 
 
 def versus_copy_baseline(spark: SparkSession, url: str, rows: int, repeats: int,
-                         chunk: int, label: str = "local[2]",
+                         chunk: int, roots: Callable[[], list[int]], label: str = "local[2]",
                          partitions: int = 2) -> tuple[float, float]:
-    """(upsert_latest rows/s, limit rows/s), best of ``repeats``, interleaved."""
+    """(upsert_latest rows/s, limit rows/s), best of ``repeats``, interleaved; prints
+    the CPU per row of each (least of the repeats): Spark's processes and the
+    backends for upsert_latest, the client thread and its backend for the limit."""
     engine = sa.create_engine(url)
     table = orders(f"bench_spark_{uuid.uuid4().hex[:8]}")
     df = events(spark, rows, partitions)
     data = [(key, i % 5 + 1, f"s{i % 5}", i % 10_000)
             for i, key in enumerate(key_order(rows))]
+    meter = Cpu(url, roots)
+    options = {"connect_args": {"application_name": APP}}
 
-    def ours() -> float:
+    def upsert(frame: DataFrame) -> UpsertResult:
+        return upsert_latest(frame, url, table.name, key="order_id", version="version",
+                             batch_size=chunk, engine_options=options)
+
+    def ours() -> tuple[float, float]:
         prefill(url, table.name, rows)
-        result = None
+        before = meter.now()
+        start = time.perf_counter()
+        result = upsert(df)
+        elapsed = time.perf_counter() - start
+        after = meter.now()
+        assert result.written == rows, result
+        return elapsed, sum(after) - sum(before)
 
-        def run() -> None:
-            nonlocal result
-            result = upsert_latest(df, url, table.name, key="order_id", version="version",
-                                   batch_size=chunk)
-
-        elapsed = timed(run)
-        assert result is not None and result.written == rows, result
-        return elapsed
-
-    def baseline() -> float:
+    def baseline() -> tuple[float, float]:
         prefill(url, table.name, rows)
         return copy_staging_upsert(url, table.name, data)
 
     try:
         fresh_table(engine, table)
-        upsert_latest(events(spark, 1000, partitions), url, table.name, key="order_id",
-                      version="version")  # start the Python workers first
-        ours_times, base_times = [], []
+        upsert(events(spark, 1000, partitions))  # start the Python workers first
+        ours_runs, base_runs = [], []
         for _ in range(repeats):  # interleaved: both see the same machine load
-            base_times.append(baseline())
-            ours_times.append(ours())
-        ours_rate, base_rate = rows / min(ours_times), rows / min(base_times)
+            base_runs.append(baseline())
+            ours_runs.append(ours())
+        ours_rate = rows / min(t for t, _ in ours_runs)
+        base_rate = rows / min(t for t, _ in base_runs)
+        ours_cpu = min(c for _, c in ours_runs) / rows * 1e6
+        base_cpu = min(c for _, c in base_runs) / rows * 1e6
         print(f"{label}: upsert_latest {rows:,} rows (all updates): {ours_rate:,.0f} rows/s "
-              f"(runs {_fmt(ours_times)} s); psycopg 3 COPY to staging + one INSERT ... "
-              f"SELECT ... ON CONFLICT: {base_rate:,.0f} rows/s (runs {_fmt(base_times)} s)")
+              f"(runs {_fmt(ours_runs)} s), CPU {ours_cpu:.1f} us/row; psycopg 3 COPY to "
+              f"staging + one INSERT ... SELECT ... ON CONFLICT: {base_rate:,.0f} rows/s "
+              f"(runs {_fmt(base_runs)} s), CPU {base_cpu:.1f} us/row; load average "
+              f"{os.getloadavg()[0]:.1f}")
         ratio = ours_rate / base_rate
         goal = 0.9 if label == "local[2]" else 0.0
         bench_line("spark", f"upsert_latest_vs_copy_staging_upsert_rows_per_s[{label}]",
                    ours_rate, base_rate, ratio, f">= {goal}x" if goal else "reported",
-                   ratio >= goal, rows=rows, chunk=chunk, unit="rows/s", driver="psycopg 3")
+                   ratio >= goal, rows=rows, chunk=chunk, unit="rows/s", driver="psycopg 3",
+                   cpu_us_per_row=round(ours_cpu, 2), baseline_cpu_us_per_row=round(base_cpu, 2),
+                   load=round(os.getloadavg()[0], 1))
         return ours_rate, base_rate
     finally:
         table.drop(engine, checkfirst=True)
@@ -205,17 +272,22 @@ def on_session(kind: str, args: argparse.Namespace) -> tuple[float, float]:
     with tempfile.TemporaryDirectory(prefix="bench-spark-") as workdir:
         if kind == "local":
             spark = local_spark("local[2]", app_name="bench-spark", fast_start=False)
+            driver = spark.sparkContext._gateway.proc.pid  # type: ignore[union-attr]
             try:
-                return versus_copy_baseline(spark, *measure, label="local[2]")
+                return versus_copy_baseline(spark, *measure, lambda: [driver],
+                                            label="local[2]")
             finally:
                 spark.stop()
         if kind == "cluster":
             cluster = servers.start_cluster(Path(workdir))
             try:
                 spark = local_spark(cluster.url, app_name="bench-spark", fast_start=False,
-                                    conf=servers.cluster_conf_for(cluster.url))
+                                    conf=servers.cluster_conf_for(cluster.url, fast_start=False))
+                driver = spark.sparkContext._gateway.proc.pid  # type: ignore[union-attr]
+                processes = [driver, cluster.master.pid, *(w.pid for w in cluster.workers)]
                 try:
-                    return versus_copy_baseline(spark, *measure, label="cluster (2x1 core)")
+                    return versus_copy_baseline(spark, *measure, lambda: processes,
+                                                label="cluster (2x1 core)")
                 finally:
                     spark.stop()
             finally:
@@ -223,20 +295,28 @@ def on_session(kind: str, args: argparse.Namespace) -> tuple[float, float]:
         if kind == "connect":
             from pyspark.sql import SparkSession
 
-            server = servers.start_connect_server(Path(workdir))
+            server = servers.start_connect_server(Path(workdir), fast_start=False)
+            marks = {name: os.environ.get(name) for name in servers.CONNECT_MARKS}
             try:
                 remote = SparkSession.builder.remote(server.url).create()
                 try:
-                    return versus_copy_baseline(remote, *measure, label="Connect local[2]")
+                    return versus_copy_baseline(remote, *measure, lambda: [server.pid],
+                                                label="Connect local[2]")
                 finally:
                     remote.stop()
             finally:
                 server.stop()
+                # the classic sessions after this one must not be taken for Connect ones
+                for name, value in marks.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
     raise SystemExit(f"unknown session kind {kind!r}: local, cluster or connect")
 
 
-def _fmt(times: list[float]) -> str:
-    return ", ".join(f"{t:.2f}" for t in times)
+def _fmt(runs: list[tuple[float, float]]) -> str:
+    return ", ".join(f"{t:.2f}" for t, _ in runs)
 
 
 def main() -> None:
@@ -253,14 +333,18 @@ def main() -> None:
     for kind in args.sessions.split(","):
         rates[kind] = on_session(kind, args)
     if "local" in rates:
-        local_rate = rates["local"][0]
+        local_rate, local_limit = rates["local"]
         for kind, goal in (("cluster", 0.8), ("connect", 0.8)):
             if kind in rates:
-                ratio = rates[kind][0] / local_rate
-                print(f"upsert_latest {kind} vs classic local[2]: {ratio:.2f}x")
+                rate, limit = rates[kind]
+                ratio = rate / local_rate
+                normalized = (rate / limit) / (local_rate / local_limit)
+                print(f"upsert_latest {kind} vs classic local[2]: {ratio:.2f}x "
+                      f"(each against its own same-run limit: {normalized:.2f}x)")
                 bench_line("spark", f"upsert_latest_rows_per_s_{kind}_vs_local2",
-                           rates[kind][0], local_rate, ratio, f">= {goal}x", ratio >= goal,
-                           rows=args.rows, chunk=args.chunk, unit="rows/s")
+                           rate, local_rate, ratio, f">= {goal}x", ratio >= goal,
+                           rows=args.rows, chunk=args.chunk, unit="rows/s",
+                           normalized=round(normalized, 3))
     if not args.scale_rows:
         return
 

@@ -36,6 +36,7 @@ GROUPS = {
     "bench_async": "asyncio consumer",
     "bench_async_kafka": "asyncio Kafka",
     "bench_runtime": "Runtime overhead",
+    "bench_telemetry": "Telemetry",
     "bench_idempotency": "Idempotency",
     "bench_batching": "Batching",
     "bench_ordering": "Ordering",
@@ -60,6 +61,16 @@ def run_all(only: list[str]) -> None:
         (RESULTS / f"{script.stem}.txt").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             print(f"  {script.name} exited {proc.returncode}; see results/{script.stem}.txt")
+
+
+def notes(script: str) -> list[str]:
+    """The ``# ...`` lines kept with a script's output: when and how it ran, figures
+    from other runs (an A/B against an older version, the load)."""
+    path = RESULTS / f"{script}.txt"
+    if not path.exists():
+        return []
+    return [line[1:].strip() for line in path.read_text().splitlines()
+            if line.startswith("#") and line[1:].strip()]
 
 
 def collect() -> list[dict[str, Any]]:
@@ -216,6 +227,32 @@ def run_time() -> str:
     return dt.datetime.fromtimestamp(stamp, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
+#: Figures a BENCH line may carry beside its ratio, shown in the "beside" column: the
+#: ones a loaded machine disturbs less than the wall clock (CPU, instructions, round
+#: trips). key -> (label, the baseline's key or None).
+BESIDE = {
+    "cpu_us": ("CPU us/msg", "baseline_cpu_us"),
+    "cpu_us_per_msg_ours": ("CPU us/msg", "cpu_us_per_msg_baseline"),
+    "cpu_us_per_message": ("CPU us/msg", None),
+    "added_cpu_us": ("CPU us/msg added", None),
+    "added_instructions": ("instructions/msg added", None),
+    "round_trips": ("round trips/msg", "baseline_round_trips"),
+}
+
+
+def beside(record: dict[str, Any]) -> str:
+    """The record's CPU, instruction and round-trip figures, ours vs the baseline's."""
+    parts = []
+    for key, (label, base_key) in BESIDE.items():
+        if key not in record:
+            continue
+        text = f"{label} {record[key]:,}"
+        if base_key is not None and base_key in record:
+            text += f" vs {record[base_key]:,}"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def render(records: list[dict[str, Any]], when: str,
            plots: dict[str, Path | None]) -> str:
     lines = [
@@ -231,7 +268,9 @@ def render(records: list[dict[str, Any]], when: str,
         "Each section plots the measures whose ratio reads \"higher is better\" (green: goal",
         "met, red: missed; the black tick is the goal); click a plot to open it full size.",
         "Those with an absolute goal (microseconds added per message, a p99 latency) are in",
-        "the tables only.",
+        "the tables only. The \"beside\" column gives what a loaded machine disturbs less than",
+        "the wall clock, where the script measured it: client CPU per message (ours vs the",
+        "baseline's), instructions per message (callgrind) and round trips per message.",
     ]
     for script, group in groups(records):
         lines += ["", f"## {GROUPS.get(script, script)}", ""]
@@ -242,14 +281,19 @@ def render(records: list[dict[str, Any]], when: str,
             lines += [f"[![{title}: ours relative to the baseline, per measure]({src})]({src})",
                       ""]
         lines += [
-            "| bench | measure | ours | baseline | ratio | goal | met |",
-            "| --- | --- | ---: | ---: | ---: | --- | --- |",
+            "| bench | measure | ours | baseline | ratio | goal | met | beside |",
+            "| --- | --- | ---: | ---: | ---: | --- | --- | --- |",
         ]
         for r in group:
             lines.append(
                 f"| {r['bench']} | {r['metric']} | {r['ours']} | {r['baseline']} | "
-                f"{r['ratio']} | {r.get('goal', '')} | {'yes' if r.get('met') else '**no**'} |"
+                f"{r['ratio']} | {r.get('goal', '')} | {'yes' if r.get('met') else '**no**'} "
+                f"| {beside(r)} |"
             )
+        kept = notes(script)
+        if kept:
+            lines += ["", "Notes kept with this run:", ""]
+            lines += [f"- {note}" for note in kept]
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from msgpatterns.brokers._ack_window import AckWindow
+from msgpatterns.brokers.rabbitmq._ack_window import AckWindow
 
 
 class Server:

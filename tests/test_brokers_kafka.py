@@ -28,7 +28,7 @@ from broker_harness import (
 )
 from msgpatterns import Consumer, Message, Reject, RetryPolicy
 from msgpatterns import headers as h
-from msgpatterns.brokers._codec import GROUP, TRACEBACK
+from msgpatterns.brokers.codec import GROUP, TRACEBACK
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 

@@ -311,3 +311,29 @@ def test_dlq_cli_on_nats_unreachable_is_one_line_and_a_typo_warns(
     assert typo.returncode == 0 and "warning: no topic" in typo.stderr
     with NatsJetStreamBroker(nats_url) as broker:
         assert not broker.has_topic(f"{topic}-typo")  # listing never created it
+
+
+def test_the_ack_ledger_keeps_an_ack_until_an_echo_on_its_connection_confirms_it() -> None:
+    """Issue 19: acks written as the connection died were lost and never sent again
+    (their deliveries waited for ack_wait, effects applied). The ledger keeps each ack
+    with its payload and connection; an echo that came back on the same connection
+    confirms what was sent before it; acks of a connection that is gone are sent again,
+    NAKs as NAKs (resending one as an ack would lose the message)."""
+    from msgpatterns.brokers.nats._acks import AckLedger
+
+    ledger = AckLedger()
+    ledger.sent("$JS.ACK.a", 0)
+    ledger.sent("$JS.ACK.b", 0, b"-NAK")
+    before = ledger.snapshot()
+    ledger.sent("$JS.ACK.c", 0)  # after the echo went out: not confirmed by it
+    ledger.confirmed(before, 0, 1)  # the connection changed meanwhile: nothing
+    assert len(ledger) == 3
+    assert sorted(ledger.to_resend(1)) == [("$JS.ACK.a", b""), ("$JS.ACK.b", b"-NAK"),
+                                           ("$JS.ACK.c", b"")]
+    for reply, payload in ledger.to_resend(1):
+        ledger.sent(reply, 1, payload)
+    assert ledger.to_resend(1) == []
+    echo = ledger.snapshot()
+    ledger.sent("$JS.ACK.d", 1)
+    ledger.confirmed(echo, 1, 1)
+    assert ledger.snapshot() == {"$JS.ACK.d": (1, b"")}

@@ -171,7 +171,8 @@ def test_a_killed_database_connection_is_replaced_transparently(
 def test_a_flushed_script_cache_is_reloaded(store: str, batches: str, tmp_path: Path) -> None:
     with checker_for(store, tmp_path) as checker:
         assert isinstance(checker, RedisChecker)
-        checker._cluster = batches == "pipelines"  # the Redis Cluster way of batching
+        if batches == "pipelines":  # the Redis Cluster way: one single-key call per key
+            checker.store.scripts.chunk = 1
         assert checker.claim("a").claimed
         checker.client.script_flush()  # what a server restart or failover does
         claim = checker.claim("b")
@@ -213,3 +214,83 @@ def test_each_thread_and_each_forked_child_gets_its_own_connection(tmp_path: Pat
         assert ids and ids[0] != parent_id
         assert checker._link.call("CLIENT", "ID") == parent_id  # the parent's is intact
         assert checker.claim("child").status.value == "in_progress"
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["per-message", "batch-handler"])
+def test_fail_open_handlers_run_in_a_consumer_whose_store_is_down(
+    batch: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With batch claims (the default in a Consumer) and ``fail_open=True``, a store
+    that is down used to leave every message unrun: the claim round gave them no claim,
+    so the run refused to begin and each message hit its ack deadline, again and again.
+    They run now, without dedup, as ``fail_open`` says (issue 22's parity notes)."""
+    caplog.set_level(logging.CRITICAL)
+    checker = RedisChecker(f"redis://127.0.0.1:{closed_port()}/0", policy=FAST)
+    effects = EffectLog()
+    broker = InMemoryBroker()
+    for i in range(6):
+        broker.publish("orders", b"x", key=f"k{i}")
+
+    if batch:
+        @idempotent(checker, fail_open=True)
+        def handle_all(messages: list[Message]) -> None:
+            for message in messages:
+                effects.record(message.key)
+
+        consumer = Consumer(broker, handle_all, topics="orders", group="g", batch=True,
+                            ack_timeout=5, retry=RetryPolicy(max_attempts=2))
+    else:
+        @idempotent(checker, fail_open=True)
+        def handle(message: Message) -> None:
+            effects.record(message.key)
+
+        consumer = Consumer(broker, handle, topics="orders", group="g", workers=2,
+                            ack_timeout=5, retry=RetryPolicy(max_attempts=2))
+    consumer.run_until_idle(timeout=30)
+    assert sorted(effects.order) == [f"k{i}" for i in range(6)]
+    assert consumer.stats.acked == 6
+    assert checker.stats.processed_without_dedup == 6
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["per-message", "batch-handler"])
+def test_fail_open_handlers_run_in_an_async_consumer_whose_store_is_down(
+    batch: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The asyncio driver's twin of the test above (the same claim rounds)."""
+    import asyncio
+
+    from msgpatterns import AsyncConsumer
+    from msgpatterns.aio.memory import AsyncInMemoryBroker
+    from msgpatterns.idempotency import AsyncRedisChecker
+
+    caplog.set_level(logging.CRITICAL)
+    effects = EffectLog()
+
+    async def scenario() -> tuple[int, int]:
+        checker = AsyncRedisChecker(f"redis://127.0.0.1:{closed_port()}/0", policy=FAST)
+        broker = AsyncInMemoryBroker()
+        for i in range(6):
+            await broker.publish("orders", b"x", key=f"k{i}")
+        if batch:
+            @idempotent(checker, fail_open=True)
+            async def handle_all(messages: list[Message]) -> None:
+                for message in messages:
+                    effects.record(message.key)
+
+            consumer = AsyncConsumer(broker, handle_all, topics="orders", group="g",
+                                     batch=True, ack_timeout=5,
+                                     retry=RetryPolicy(max_attempts=2))
+        else:
+            @idempotent(checker, fail_open=True)
+            async def handle(message: Message) -> None:
+                effects.record(message.key)
+
+            consumer = AsyncConsumer(broker, handle, topics="orders", group="g",
+                                     ack_timeout=5, retry=RetryPolicy(max_attempts=2))
+        await consumer.run_until_idle(timeout=30)
+        await checker.aclose()
+        return consumer.stats.acked, checker.stats.processed_without_dedup
+
+    acked, without_dedup = asyncio.run(scenario())
+    assert sorted(effects.order) == [f"k{i}" for i in range(6)]
+    assert acked == 6 and without_dedup == 6

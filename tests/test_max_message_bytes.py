@@ -33,7 +33,7 @@ from broker_harness import (
     require_library,
 )
 from msgpatterns import Consumer, Message
-from msgpatterns.brokers._kafka_records import RecordView, judge
+from msgpatterns.brokers.kafka._records import RecordView, judge
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.limits import DEFAULT_MAX_MESSAGE_BYTES
 from msgpatterns.testing import services

@@ -39,7 +39,7 @@ from msgpatterns import (
     RetryPolicy,
 )
 from msgpatterns.batching import BatchExecutor
-from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers import codec
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.idempotency import MemoryChecker, idempotent
 from msgpatterns.observability import (
@@ -81,7 +81,9 @@ class Otel:
 @pytest.fixture
 def otel() -> Iterator[Otel]:
     o = Otel()
-    instrument(tracer_provider=o.tracer_provider, meter_provider=o.meter_provider)
+    # every duration recorded, so histogram counts can be checked exactly
+    instrument(tracer_provider=o.tracer_provider, meter_provider=o.meter_provider,
+               duration_sample_rate=1.0)
     try:
         yield o
     finally:
@@ -262,7 +264,7 @@ def _scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 
 def test_prometheus_endpoint_is_scraped_after_a_known_run() -> None:
-    with serve_prometheus(port=0) as endpoint:
+    with serve_prometheus(port=0, duration_sample_rate=1.0) as endpoint:
         broker = InMemoryBroker()
         for i in range(10):
             broker.publish("orders", "poison" if i < 2 else "ok", key=f"k{i}")

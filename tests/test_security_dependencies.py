@@ -30,9 +30,9 @@ EXTRAS: dict[str, list[str]] = PROJECT["optional-dependencies"]
 
 #: Libraries whose private internals the code uses, with a place that uses them.
 INTERNALS = {
-    "redis": "src/msgpatterns/idempotency/redis_link.py",
-    "hiredis": "src/msgpatterns/idempotency/redis_link.py",
-    "pika": "src/msgpatterns/brokers/rabbitmq.py",
+    "redis": "src/msgpatterns/_redispy.py",
+    "hiredis": "src/msgpatterns/_redispy.py",
+    "pika": "src/msgpatterns/brokers/rabbitmq/_channels.py",
 }
 #: Oldest versions allowed, each excluding an insecure default.
 SECURE_LOWER_BOUNDS = {"redis": Version("6.0")}

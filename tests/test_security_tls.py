@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from broker_harness import delete_rabbitmq_topology, drain
-from msgpatterns.brokers._amqp_tls import pika_url
+from msgpatterns.brokers.rabbitmq._tls import pika_url
 from msgpatterns.errors import ConfigurationError
 
 pika = pytest.importorskip("pika")

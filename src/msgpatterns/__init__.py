@@ -3,6 +3,13 @@
 Import the public names from here. Parts that need an optional dependency (Redis,
 SQLAlchemy, ...) are loaded on first use and raise
 :class:`~msgpatterns.errors.MissingExtra` naming the extra to install.
+
+The two drivers sit side by side: :class:`Consumer` for plain handlers and
+:class:`AsyncConsumer` for ``async def`` handlers, with the async checkers
+(:class:`AsyncRedisChecker`, :class:`AsyncSqlChecker`,
+:class:`AsyncTransactionalSqlChecker`; :class:`MemoryChecker` serves both). The async
+parts load on first use, so ``import msgpatterns`` stays light; the async brokers and
+batching live in :mod:`msgpatterns.aio`.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from msgpatterns._extras import lazy_attributes
-from msgpatterns.brokers.memory import InMemoryBroker
+from msgpatterns.brokers.memory.broker import InMemoryBroker
 from msgpatterns.consumer import Consumer
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import (
@@ -26,8 +33,12 @@ from msgpatterns.retry import Backoff, RetryPolicy
 from msgpatterns.timer import TimingWheel
 
 if TYPE_CHECKING:
+    from msgpatterns.aio.consumer import AsyncConsumer
     from msgpatterns.batching import BatchExecutor, Flusher, Group, MultipleQueueFlusher
     from msgpatterns.idempotency import (
+        AsyncRedisChecker,
+        AsyncSqlChecker,
+        AsyncTransactionalSqlChecker,
         MemoryChecker,
         RedisChecker,
         SqlChecker,
@@ -39,6 +50,10 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncConsumer",
+    "AsyncRedisChecker",
+    "AsyncSqlChecker",
+    "AsyncTransactionalSqlChecker",
     "Backoff",
     "BatchExecutor",
     "Consumer",
@@ -67,6 +82,10 @@ __all__ = [
 ]
 
 _LAZY = {
+    "AsyncConsumer": "msgpatterns.aio.consumer",
+    "AsyncRedisChecker": "msgpatterns.idempotency",
+    "AsyncSqlChecker": "msgpatterns.idempotency",
+    "AsyncTransactionalSqlChecker": "msgpatterns.idempotency",
     "idempotent": "msgpatterns.idempotency",
     "MemoryChecker": "msgpatterns.idempotency",
     "RedisChecker": "msgpatterns.idempotency",

@@ -20,7 +20,12 @@ def require(module: str, extra: str) -> ModuleType:
 
 def lazy_attributes(package: str, modules: dict[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` that imports ``modules[name]`` on first access to ``name``
-    and caches the attribute in ``package``'s namespace."""
+    and caches the attribute in ``package``'s namespace.
+
+    Called while ``package`` is being imported (``__getattr__ = lazy_attributes(
+    __name__, {...})``), it also gives the package a ``__dir__`` (unless it has its
+    own) that lists the lazy names with the loaded ones, so ``dir()`` and IPython's
+    completion show every public name before any is loaded."""
     import sys
 
     def __getattr__(name: str) -> Any:
@@ -31,4 +36,10 @@ def lazy_attributes(package: str, modules: dict[str, str]) -> Callable[[str], An
         setattr(sys.modules[package], name, value)
         return value
 
+    namespace = vars(sys.modules[package])
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(modules))
+
+    namespace.setdefault("__dir__", __dir__)
     return __getattr__

@@ -31,12 +31,11 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from msgpatterns._callables import require_sync_callable
+from msgpatterns._callables import is_async_callable, require_sync_callable
 from msgpatterns._escape import escape_control
 from msgpatterns.brokers.base import Broker
 from msgpatterns.deadletter import DeadLetterStore
@@ -44,27 +43,27 @@ from msgpatterns.deadlines import DeadlineTracker
 from msgpatterns.errors import (
     ConfigurationError,
     MalformedMessage,
-    PartialFailure,
     describe,
     seconds,
 )
-from msgpatterns.idempotency.batch import BatchGuard, Entry, guard_of
+from msgpatterns.idempotency.batch import Entry, guard_of
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.ordering.executor import OrderedExecutor
 from msgpatterns.retry import RetryPolicy
+from msgpatterns.runtime.batches import judge_batch
 from msgpatterns.runtime.driver import DriverBase
 from msgpatterns.runtime.fetcher import Fetcher
 from msgpatterns.runtime.gate import KeyGate, ordering_key
+from msgpatterns.runtime.health import health_snapshot
 from msgpatterns.runtime.lifecycle import Released
 from msgpatterns.runtime.lifecycle import State as _State
+from msgpatterns.runtime.options import check_batch, topic_list
 from msgpatterns.runtime.options import duration as _options_duration
-from msgpatterns.runtime.options import topic_list
-from msgpatterns.runtime.rounds import Claimed as _Claimed
-from msgpatterns.runtime.rounds import Completions as _Completions
-from msgpatterns.runtime.rounds import Round as _Round
+from msgpatterns.runtime.rounds import Claimed
 from msgpatterns.runtime.settling import ThreadSettling
-from msgpatterns.runtime.stats import ConsumerStats, Reporter
+from msgpatterns.runtime.stats import ConsumerStats
+from msgpatterns.runtime.thread_rounds import ThreadRounds
 from msgpatterns.timer import TimingWheel
 
 if TYPE_CHECKING:
@@ -96,7 +95,8 @@ class Consumer(DriverBase):
         broker: any :class:`~msgpatterns.brokers.base.Broker`.
         handler: ``handler(message)``; return to ack, raise to fail (see RetryPolicy).
             A plain (sync) callable: an ``async def`` is refused with ``TypeError``
-            (it would "finish" before its body ran; use ``msgpatterns.aio``).
+            (it would "finish" before its body ran; use
+            :class:`~msgpatterns.aio.AsyncConsumer`).
             With ``batch=True``: ``handler(messages)``, see below.
         topics: topics (streams, queues) to consume.
         group: consumer group; each group receives every message once (at least).
@@ -165,14 +165,18 @@ class Consumer(DriverBase):
         name: str | None = None,
         batch: bool = False,
     ) -> None:
-        if not isinstance(broker, Broker):
+        if not isinstance(broker, Broker) or is_async_callable(getattr(broker, "fetch", None)):
             raise ConfigurationError(
                 f"Consumer broker must implement the Broker protocol (fetch, ack, nack, "
-                f"dead_letter, publish, now, close), got {type(broker).__name__}"
+                f"dead_letter, publish, now, close), got {type(broker).__name__} (an "
+                f"asyncio broker goes with msgpatterns.aio.AsyncConsumer)"
             )
-        require_sync_callable(handler, what="handler", where="Consumer")
+        require_sync_callable(handler, what="handler", where="Consumer",
+                              alternative="msgpatterns.AsyncConsumer (async def handlers)")
         if decoder is not None:
-            require_sync_callable(decoder, what="decoder", where="Consumer")
+            require_sync_callable(decoder, what="decoder", where="Consumer",
+                                  alternative="msgpatterns.AsyncConsumer (its decoder may "
+                                  "be an async def)")
         self._configure(
             "Consumer", broker=broker, handler=handler, topics=topics, group=group,
             retry=retry, ordered=ordered, max_in_flight=max_in_flight,
@@ -180,29 +184,18 @@ class Consumer(DriverBase):
             poll_timeout=poll_timeout, shutdown_timeout=shutdown_timeout,
             fetch_batch=fetch_batch, name=name, default_name=f"msgpatterns-{group}",
             counts={"workers": workers}, log=log)
-        if not isinstance(batch, bool):
-            raise ConfigurationError(f"Consumer batch must be True or False, got {batch!r}")
-        if batch and ordered:
-            raise ConfigurationError(
-                "Consumer batch=True cannot be ordered: a batch mixes keys, and ordered "
-                "mode runs each key's messages one at a time; use a per-message handler "
-                "with ordered=True (an @idempotent one still claims per batch)"
-            )
+        check_batch("Consumer", batch=batch, ordered=ordered)
         self.handler: Callable[[Any], Any] = handler
         self.batch = batch
-        #: The batch claims of an @idempotent handler (None: plain, or one transaction
-        #: per message).
-        self._guard: BatchGuard | None = guard_of(handler, batch=batch)
+        guard = guard_of(handler, batch=batch)
         #: A RetryPolicy whose decide() is overridden sees every success too.
         self._plain_decide = type(retry).decide is RetryPolicy.decide if retry else True
-        #: Recent seconds per run of a batch-claimed handler (sizes the batch claims).
-        self._pace = 0.0
-        #: The claims of batch-claimed handlers that returned, completed by a writer
-        #: thread of their own while the workers run the next handlers.
-        self._completions = _Completions()
-        self._to_write = threading.Event()
-        self._writer: threading.Thread | None = None
-        self._writer_stop = False
+        #: One message's run (the handler, after the decoder when there is one).
+        self._call: Callable[[Any], Any] = \
+            handler if decoder is None else self._decode_and_call
+        #: The hot-path switch (:meth:`_choose_paths`): how a worker runs one message.
+        self._run_message: Callable[[Message], None] = self._run_observed
+        self._unwatch: Callable[[], None] | None = None
         self.workers = workers
 
         self._threads: list[threading.Thread] = []
@@ -214,7 +207,6 @@ class Consumer(DriverBase):
         self._deadlines: DeadlineTracker[Message] | None = None
         self._lanes: OrderedExecutor | None = None
         self._gate: KeyGate | None = None
-        self._reporter = Reporter(self)
         #: Fetching, flow control, the ready queue, the slots and the retry scheduler.
         self._fetcher = Fetcher(
             broker=broker, topics=self.topics, group=group, max_in_flight=max_in_flight,
@@ -226,6 +218,12 @@ class Consumer(DriverBase):
             broker=broker, settler=self._settler, fetcher=self._fetcher,
             dead_letters=dead_letters, reporter=self._reporter, log=log)
         self._fetcher.sink = self._settler.rebind = self._settling.on_settled
+        #: The batch claims of an @idempotent handler (None: plain, or one transaction
+        #: per message).
+        self._rounds = None if guard is None else ThreadRounds(
+            guard, fetcher=self._fetcher, settling=self._settling, workers=workers,
+            settle_unrun=self._settle_unrun, start_scope=self._start_scope,
+            own_thread=self._own_thread, log=log)
 
     @property
     def _state(self) -> _State:
@@ -247,8 +245,10 @@ class Consumer(DriverBase):
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the worker threads and return."""
+        """Start the worker threads and return. Raises
+        :class:`~msgpatterns.errors.ClosedError` after :meth:`close`."""
         with self._fetcher.cond:
+            self._check_open()
             if self._state is _State.RUNNING:
                 return
             if self._state is _State.STOPPING:
@@ -271,7 +271,7 @@ class Consumer(DriverBase):
                     threading.Thread(target=self._pump, name=f"{self.name}-pump", daemon=True)
                 ]
             else:
-                work = self._work if self._guard is None and not self.batch \
+                work = self._work if self._rounds is None and not self.batch \
                     else self._work_batches
                 self._threads = [
                     threading.Thread(
@@ -279,16 +279,26 @@ class Consumer(DriverBase):
                     )
                     for i in range(self.workers)
                 ]
-            if self._guard is not None and not self.batch:
-                self._writer_stop = False
-                self._writer = threading.Thread(target=self._write_claims,
-                                                name=f"{self.name}-claims", daemon=True)
         self._settling.deadlines = self._deadlines
-        self._settling.plain_acks = self._gate is None and self._plain_decide
-        if self._writer is not None:
-            self._writer.start()
+        self._choose_paths()
+        self._unwatch = _obs.watch_listener(self._choose_paths)
+        if self._rounds is not None and not self.batch:
+            self._rounds.start(f"{self.name}-claims")
         for thread in self._threads:
             thread.start()
+
+    def _choose_paths(self) -> None:
+        """The one hot-path switch, at start and whenever the telemetry listener
+        changes: with no listener, a message runs without a telemetry scope; with no
+        key gate, no overridden decide and no listener, a success is a plain broker
+        ack and a freed slot (:meth:`ThreadSettling.choose`). Nothing per message
+        tests it again."""
+        self._settling.choose(plain_acks=self._gate is None and self._plain_decide)
+        self._run_message = self._plain_run() if _obs.listener is None else self._run_observed
+
+    def _own_thread(self) -> None:
+        """Mark the calling thread as one of this consumer's (see :meth:`stop`)."""
+        _own_thread.consumer = self
 
     def stop(self, timeout: float | timedelta | None = None) -> bool:
         """Stop fetching, let in-flight work finish for up to ``timeout`` seconds, then
@@ -344,21 +354,46 @@ class Consumer(DriverBase):
             self._fetcher.wake()
             threads, self._threads = self._threads, []
             lanes, self._lanes = self._lanes, None
-            writer, self._writer = self._writer, None
+            unwatch, self._unwatch = self._unwatch, None
         current = threading.current_thread()
         for thread in threads:
             if thread is not current:
                 thread.join()
         if lanes is not None:
             lanes.shutdown(wait=True)  # queued tasks of released messages run no handler
-        if writer is not None:  # no handler runs any more: it writes what is left, ends
-            self._writer_stop = True
-            self._to_write.set()
-            if writer is not current:
-                writer.join()
+        if self._rounds is not None:  # no handler runs any more: it writes what is left
+            self._rounds.stop()
+        if unwatch is not None:
+            unwatch()
         self._wheel.stop()
         self._stop_requested.set()
         return not leftovers
+
+    def close(self) -> None:
+        """Stop (``stop(shutdown_timeout)``), then close what the consumer owns; it never
+        starts again: :meth:`start`, :meth:`run` and :meth:`run_until_idle` raise
+        :class:`~msgpatterns.errors.ClosedError` afterwards. Idempotent; safe to call
+        from any thread, also while another thread is in :meth:`run` (which then
+        returns). Called from one of the consumer's own threads (a handler) it requests
+        the stop and returns at once, as :meth:`stop` does.
+
+        What the consumer owns is what it started: its worker, pump, lane and
+        claim-writer threads and its timer, all ended by the stop. What it was given
+        stays open - the broker, the checkers of an ``@idempotent`` handler, a
+        ``dead_letters`` store - for whoever made them to close, after the consumer
+        (``with broker, Consumer(broker, ...) as consumer:`` closes both, the consumer
+        first)."""
+        with self._fetcher.cond:
+            self._closed = True  # from here on start() refuses
+        self.stop(self.shutdown_timeout)
+
+    def __enter__(self) -> Consumer:
+        """Start the consumer (:meth:`start`); the ``with`` block's end closes it."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _request_stop(self) -> None:
         """Ask for a stop without waiting (from a thread of this consumer)."""
@@ -394,6 +429,7 @@ class Consumer(DriverBase):
         :meth:`stop` from a handler ends it early (in-flight work finishes first).
         """
         limit = seconds(timeout)
+        self._check_open()
         with self._fetcher.cond:
             self._fetcher.until_idle = True
         self.start()
@@ -413,36 +449,22 @@ class Consumer(DriverBase):
     # -- worker loop ----------------------------------------------------------------
 
     def _work(self) -> None:
+        """Worker loop of a per-message handler: each message through the run the
+        hot-path switch chose (:meth:`_plain_run`, or :meth:`_run_observed`)."""
         _own_thread.consumer = self
-        next_message, execute = self._fetcher.next, self._execute
+        next_message = self._fetcher.next
         popleft = self._fetcher.ready.popleft  # the queue is never replaced
-        handler, plain = self.handler, self.decoder is None
-        track = None if self._deadlines is None else self._deadlines.track  # set by start
         message: Message
         while True:
             try:  # Fetcher.next's own first step, without its frame: the common case
-                message = popleft()  # type: ignore[assignment]  # no _Claimed here
+                message = popleft()  # type: ignore[assignment]  # no Claimed here
             except IndexError:
                 item = next_message()
                 if item is None:
                     return
-                message = item  # type: ignore[assignment]  # no _Claimed here
+                message = item  # type: ignore[assignment]  # no Claimed here
             try:
-                if plain and _obs.listener is None:
-                    # _execute without a decoder or a listener: the per-message hot path
-                    delivery = message.delivery
-                    if delivery.settled:
-                        continue  # handed back by stop() before it could run
-                    if track is not None:
-                        track(message)
-                    error: BaseException | None = None
-                    try:
-                        handler(message)
-                    except BaseException as exc:  # SystemExit & co fail the message
-                        error = exc
-                    delivery.finish(message, error)
-                else:
-                    execute(message)
+                self._run_message(message)
             except BaseException:  # the worker survives whatever happens
                 log.exception("%s: running message %s failed", self.name,
                               escape_control(message.id), extra=self._log_extra(message))
@@ -457,7 +479,7 @@ class Consumer(DriverBase):
                 message: Message | None = self._fetcher.next()  # type: ignore[assignment]
                 if message is None:
                     return
-                if self._guard is not None:  # claim what is admitted now, as one batch
+                if self._rounds is not None:  # claim what is admitted now, as one batch
                     admitted = [m for m in self._take_ready(message, self.fetch_batch)
                                 if gate.admit(m)]
                     if admitted:
@@ -470,15 +492,41 @@ class Consumer(DriverBase):
     def _execute_on_lane(self, message: Message) -> None:
         _own_thread.consumer = self
         try:
-            self._execute(message)
+            self._run_message(message)
         except BaseException:  # the lane survives whatever happens
             log.exception("%s: running message %s failed", self.name,
                           escape_control(message.id), extra=self._log_extra(message))
 
     # -- one delivery ---------------------------------------------------------------
 
-    def _execute(self, message: Message) -> None:
-        if message.delivery.settled:
+    def _plain_run(self) -> Callable[[Message], None]:
+        """The hot path, with no telemetry listener: run one message's handler and
+        settle its outcome (its twin, :meth:`_run_observed`, only adds the scope). Made
+        when the switch chooses it, with the run's parts bound."""
+        call = self._call
+        deadlines = self._deadlines
+        track = None if deadlines is None else deadlines.track
+
+        def run_plain(message: Message) -> None:
+            delivery = message.delivery
+            if delivery.settled:
+                return  # handed back by stop() before it could run
+            if track is not None:
+                track(message)
+            error: BaseException | None = None
+            try:
+                call(message)
+            except BaseException as exc:  # SystemExit & co fail the message, not the worker
+                error = exc
+            delivery.finish(message, error)
+
+        return run_plain
+
+    def _run_observed(self, message: Message) -> None:
+        """The plain run inside the telemetry listener's delivery scope (when a
+        listener is installed: the switch chooses it then)."""
+        delivery = message.delivery
+        if delivery.settled:
             return  # handed back by stop() before it could run
         deadlines = self._deadlines
         if deadlines is not None:
@@ -487,22 +535,26 @@ class Consumer(DriverBase):
         scope = None if listener is None else self._start_scope(listener, message)
         error: BaseException | None = None
         try:
-            if self.decoder is not None:
-                try:
-                    message.body = self.decoder(message.raw_body)
-                except Exception as exc:
-                    raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
-            self.handler(message)
+            self._call(message)
         except BaseException as exc:  # SystemExit & co fail the message, not the worker
             error = exc
         if scope is None:
-            message.delivery.finish(message, error)
+            delivery.finish(message, error)
             return
         _obs.report(scope.handler_returned, error)
         try:  # the settlement runs inside the delivery's trace context
-            message.delivery.finish(message, error)
+            delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
+
+    def _decode_and_call(self, message: Message) -> None:
+        """The handler after the decoder (a decoder error is a MalformedMessage)."""
+        assert self.decoder is not None
+        try:
+            message.body = self.decoder(message.raw_body)
+        except Exception as exc:
+            raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
+        self.handler(message)
 
     # -- batches: batch claims of an @idempotent handler, batch handlers ----------------
 
@@ -516,8 +568,9 @@ class Consumer(DriverBase):
             if item is None:
                 return
             try:
-                if isinstance(item, _Claimed):
-                    self._run_claimed(item.guard, item.batch, item.entry)
+                if isinstance(item, Claimed):
+                    assert self._rounds is not None  # only batch claims queue them
+                    self._rounds.run(item)
                 elif self.batch:
                     self._execute_batch(self._take_ready(item, self.fetch_batch))
                 else:
@@ -529,10 +582,10 @@ class Consumer(DriverBase):
         """How many messages one batch claim takes: what was fetched (``fetch_batch``),
         at most what the workers run within half the lease at the handler's recent
         pace - so no claim waits in line until its lease runs out."""
-        pace = self._pace
-        if pace <= 0.0 or self._guard is None:
+        rounds = self._rounds
+        if rounds is None or rounds.pace <= 0.0:
             return self.fetch_batch
-        room = self._guard.checker.lease * 0.5 * self.workers / pace
+        room = rounds.guard.checker.lease * 0.5 * self.workers / rounds.pace
         return max(1, min(self.fetch_batch, int(room)))
 
     def _take_ready(self, first: Message, limit: int) -> list[Message]:
@@ -540,7 +593,7 @@ class Consumer(DriverBase):
         chunk = [first]
         ready = self._fetcher.ready
         popleft = ready.popleft  # atomic: no lock needed
-        claims = self._guard is not None  # only batch claims queue non-messages
+        claims = self._rounds is not None  # only batch claims queue non-messages
         append = chunk.append
         for _ in range(limit - 1):
             try:
@@ -593,28 +646,6 @@ class Consumer(DriverBase):
         finally:
             _obs.report(scope.close)
 
-    def _prepare(self, guard: BatchGuard,
-                 messages: list[Message]) -> tuple[list[Entry], list[Message]]:
-        """One batch claim for ``messages``; settles those whose handler does not run
-        and returns the entries to run, and the messages to prepare again once this
-        batch is finished (their key is held by an earlier message of the batch). A
-        claimed message completes or releases its claim before it is settled, whoever
-        settles it (:meth:`ThreadSettling.on_claimed_settled`)."""
-        runs: list[Entry] = []
-        later: list[Message] = []
-        for entry in guard.prepare(messages):
-            if entry.later:
-                later.append(entry.message)
-                continue
-            if not entry.run:
-                self._settle_unrun(entry.message, entry.error)
-                continue
-            if entry.claim is not None:
-                entry.message.delivery.bind(
-                    partial(self._settling.on_claimed_settled, guard, entry))
-            runs.append(entry)
-        return runs, later
-
     def _execute_round_safely(self, messages: list[Message],
                               lanes: OrderedExecutor | None = None) -> None:
         try:
@@ -628,143 +659,8 @@ class Consumer(DriverBase):
         """An @idempotent per-message handler on a batch: one claim for all, each
         handler run (here, or on its key's lane), each claim completed as its handler
         returns, then its ack."""
-        self._claim_round(self._intake(messages), lanes)
-
-    def _claim_round(self, live: list[Message], lanes: OrderedExecutor | None, *,
-                     inline: bool = True) -> None:
-        """One claim round trip for ``live``, then their handlers: on their keys'
-        lanes, or on the workers (this one runs the first when ``inline``)."""
-        guard = self._guard
-        assert guard is not None
-        runs, later = self._prepare(guard, live) if live else ([], [])
-        if not runs:
-            return
-        batch = _Round(len(runs), later, lanes)
-        if lanes is None:  # this worker runs the first; any worker takes the others
-            shared = runs[1:] if inline else runs
-            if shared:
-                self._fetcher.ready.extendleft(_Claimed(guard, batch, entry)
-                                               for entry in reversed(shared))
-                if self.workers > 1 or not inline:
-                    with self._fetcher.cond:
-                        self._fetcher.wake()
-            if inline:
-                self._run_claimed(guard, batch, runs[0])
-        else:
-            for entry in runs:
-                lanes.submit(ordering_key(entry.message), self._run_claimed_on_lane, guard,
-                             batch, entry)
-
-    def _run_claimed_on_lane(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
-        _own_thread.consumer = self
-        try:
-            self._run_claimed(guard, batch, entry)
-        except BaseException:  # the lane survives whatever happens
-            log.exception("%s: running message %s failed", self.name,
-                          escape_control(entry.message.id), extra=self._log_extra(entry.message))
-
-    def _run_claimed(self, guard: BatchGuard, batch: _Round, entry: Entry) -> None:
-        """Run one claimed message's handler and finish its claim as it ends: released
-        if it raised, completed (with the claims of the handlers that returned with it)
-        if it returned - never held for the rest of its round."""
-        message = entry.message
-        if not guard.begin(entry):  # settled before it ran: its claim was released then
-            self._round_ended(batch)
-            return
-        if message.acked:  # handed back or expired before it ran: free its key
-            self._finish_claim(guard, entry, returned=False)
-            self._round_ended(batch)
-            return
-        listener = _obs.listener
-        scope = None if listener is None else self._start_scope(listener, message)
-        error: BaseException | None = None
-        started = time.perf_counter()
-        try:
-            entry.result = guard.handler(message)
-        except BaseException as exc:  # SystemExit & co fail the message, not the worker
-            error = exc
-        self._pace = 0.8 * self._pace + 0.2 * (time.perf_counter() - started)
-        if scope is not None:
-            _obs.report(scope.handler_returned, error)
-            _obs.report(scope.close)
-        if error is None and message.auto_ack:
-            if self._completions.add(_Claimed(guard, batch, entry)):
-                self._to_write.set()  # the writer thread was idle
-            return  # its round is told once its claim is written
-        if error is None:  # awaiting its explicit ack: its claim is finished then
-            if guard.end(entry):  # ... or now, when that came during the run
-                self._finish_claim(guard, entry, returned=message.ack_error is None)
-        else:
-            self._finish_claim(guard, entry, returned=False)
-            message.delivery.finish(message, error)
-        self._round_ended(batch)
-
-    def _finish_claim(self, guard: BatchGuard, entry: Entry, *, returned: bool) -> None:
-        """Complete (``returned``) or release one message's claim (if still open)."""
-        try:
-            if returned:
-                guard.finish((entry,), ())
-            else:
-                guard.finish((), (entry,))
-        except Exception:  # a closed checker...: settle anyway
-            log.exception("%s: finishing the idempotency claim of %s failed", self.name,
-                          entry.message.id, extra=self._log_extra(entry.message))
-
-    def _write_claims(self) -> None:
-        """The writer thread of batch claims: whenever handlers returned, complete
-        their claims and ack their messages (:meth:`_complete_returned`) while the
-        workers go on with the next handlers - a finished message never waits for
-        another handler, and a worker never waits for the store to write its claim.
-        Ends after stop() joined the workers, once nothing is left to write."""
-        _own_thread.consumer = self
-        wake = self._to_write
-        while True:
-            wake.wait()
-            wake.clear()
-            time.sleep(0)  # let the workers run on: what returns meanwhile joins in
-            try:
-                self._complete_returned()
-            except BaseException:  # the writer survives whatever happens
-                log.exception("%s: completing idempotency claims failed", self.name)
-            if self._writer_stop:
-                return
-
-    def _complete_returned(self) -> None:
-        """Complete the claims of the handlers that returned (one round trip for all
-        queued: see :class:`Completions`), then ack their messages (DONE before ack);
-        again until none is queued. Then the rounds all of whose claims are finished
-        prepare the messages they held back (their handlers run on the workers)."""
-        ended: list[_Round] = []
-        try:
-            while claimed := self._completions.take():
-                try:
-                    claimed[0].guard.finish([c.entry for c in claimed], ())
-                except Exception:  # a closed checker...: the effects happened; ack anyway
-                    log.exception("%s: completing %d idempotency claims failed",
-                                  self.name, len(claimed))
-                try:
-                    self._settling.ack_all([c.entry.message for c in claimed])
-                except Exception:  # the worker goes on writing what is queued
-                    log.exception("%s: acking %d messages failed", self.name,
-                                  len(claimed))
-                ended.extend(c.batch for c in claimed if c.batch.ended())
-        except BaseException:  # the process dies: what it took is not acked (the
-            self._completions.abandon()  # lease window); the next writer takes the rest
-            raise
-        for batch in ended:
-            self._round_later(batch, inline=False)
-
-    def _round_ended(self, batch: _Round) -> None:
-        if batch.ended():
-            self._round_later(batch)
-
-    def _round_later(self, batch: _Round, *, inline: bool = True) -> None:
-        """Every claim of ``batch`` is finished: the repeats of keys it held are
-        duplicates now (or run, if the first copy failed); ``inline``: this worker
-        runs the first of them."""
-        if batch.later and self._state is not _State.STOPPED:  # else handed back
-            self._claim_round([m for m in batch.later if not m.acked], batch.lanes,
-                              inline=inline)
+        assert self._rounds is not None
+        self._rounds.round(self._intake(messages), lanes)
 
     def _execute_batch(self, messages: list[Message]) -> None:
         """A batch handler on ``messages``: per message, the handler's outcome (its
@@ -772,67 +668,46 @@ class Consumer(DriverBase):
         self._run_batch(self._intake(messages))
 
     def _run_batch(self, live: list[Message]) -> None:
-        guard = self._guard
+        """One call of the batch handler on ``live`` (their claims made first when it is
+        ``@idempotent``), each message then settled on its own
+        (:mod:`msgpatterns.runtime.batches`)."""
+        rounds = self._rounds
         entries: dict[Message, Entry] = {}
         later: list[Message] = []
-        if guard is not None and live:
-            runs, later = self._prepare(guard, live)
+        if rounds is not None and live:
+            runs, later = rounds.prepared(live)
             entries = {entry.message: entry for entry in runs}
-            live = self._begin_all(guard, runs)
+            live = rounds.begin_all(runs)
         if not live:
             if later:
                 self._run_batch([m for m in later if not m.acked])
             return
         listener = _obs.listener
         scopes = None if listener is None else [self._start_scope(listener, m) for m in live]
-        handler = self.handler if guard is None else guard.handler
+        handler = self.handler if rounds is None else rounds.guard.handler
         error: BaseException | None = None
         try:
             handler(list(live))
         except BaseException as exc:  # SystemExit & co fail the batch, not the worker
             error = exc
-        failures: Mapping[Message, BaseException] = {}
-        if isinstance(error, PartialFailure):
-            failures, error = error.failures, None
-            self._check_failures(failures, live)
-        returned: list[Message] = []
-        raised: list[tuple[Message, BaseException]] = []
-        explicit: list[Message] = []  # awaiting their explicit ack
-        if error is None and not failures and scopes is None:
+        if error is None and rounds is None and scopes is None:
             # The common case: every message returned; those the handler settled or
-            # will ack itself are left alone (finish would change nothing for them).
-            if guard is None:  # nothing to complete first: ack_all leaves them alone
-                self._settling.ack_all(live)
-                return
-            # A message settled during the run (its deadline, a stop) has its claim
-            # completed all the same: its handler returned (ack_all leaves it alone).
-            returned = [m for m in live if m.delivery.auto_ack]
-            explicit = [m for m in live if not m.delivery.auto_ack]
-            live = []
-        for index, message in enumerate(live):
-            failed = failures.get(message, error)
-            scope = None if scopes is None else scopes[index]
-            if scope is not None:
-                _obs.report(scope.handler_returned, failed)
-            if failed is not None:
-                raised.append((message, failed))
-            elif message.auto_ack:
-                returned.append(message)
-            else:  # awaiting its explicit ack (or acked by the handler)
-                explicit.append(message)
-                message.delivery.finish(message, None)
+            # will ack itself are left alone (ack_all leaves them alone).
+            self._settling.ack_all(live)
+            return
+        outcome = judge_batch(live, error, log=log, name=self.name)
         try:
-            if guard is not None and entries:
-                guard.finish([entries[m] for m in returned if m in entries],
-                             [entries[m] for m, _ in raised if m in entries])
-                for message in explicit:  # their claims are finished when acked
-                    entry = entries.get(message)
-                    if entry is not None and guard.end(entry):  # ... or now
-                        self._finish_claim(guard, entry,
-                                           returned=message.ack_error is None)
-            for message, failed in raised:
-                message.delivery.finish(message, failed)
-            self._settling.ack_all(returned)
+            if scopes is not None:
+                for index, scope in enumerate(scopes):
+                    if scope is not None:
+                        _obs.report(scope.handler_returned, outcome.error_of(index))
+            if rounds is not None:  # claims finished first: DONE before ack
+                rounds.batch_ran(entries, outcome.returned, outcome.raised,
+                                 outcome.explicit)
+            else:
+                for message, failed_with in outcome.raised:
+                    message.delivery.finish(message, failed_with)
+                self._settling.ack_all(outcome.returned)
         finally:
             if scopes is not None:
                 for scope in reversed(scopes):
@@ -841,42 +716,7 @@ class Consumer(DriverBase):
         if later:  # repeats of keys this batch held: duplicates now (or run)
             self._run_batch([m for m in later if not m.acked])
 
-    def _begin_all(self, guard: BatchGuard, runs: list[Entry]) -> list[Message]:
-        """The messages of ``runs`` the batch handler runs: each claim begun (from now
-        on its run finishes it); a message settled before (handed back, expired) has
-        its claim released and is left out."""
-        live = []
-        for entry in runs:
-            if not guard.begin(entry):
-                continue  # released when it was settled
-            if entry.message.acked:
-                self._finish_claim(guard, entry, returned=False)
-                continue
-            live.append(entry.message)
-        return live
-
-    def _check_failures(self, failures: Mapping[Message, BaseException],
-                        batch: list[Message]) -> None:
-        members = set(batch)
-        strangers = [m for m in failures if m not in members]
-        if strangers:
-            log.warning("%s: PartialFailure names %d message(s) that are not in the batch "
-                        "(ignored), e.g. %r", self.name, len(strangers), strangers[0])
-
     # -- telemetry, health and log context (no cost while no listener is installed) --
-
-    def _start_scope(self, listener: _obs.Listener,
-                     message: Message) -> _obs.DeliveryScope | None:
-        try:
-            return listener.delivery_started(self, message)
-        except Exception:
-            log.exception("%s: telemetry listener failed", self.name,
-                          extra=self._log_extra(message))
-            return None
-
-    def _count(self, counts: Mapping[str, int], message: Message | None = None) -> None:
-        """Report ``counts`` (ConsumerStats fields just added to) to the listener."""
-        self._reporter.count(counts, message)
 
     def _log_extra(self, message: Message) -> dict[str, Any]:
         """The ``extra`` fields of every log line about ``message``."""
@@ -884,35 +724,16 @@ class Consumer(DriverBase):
 
     def health(self) -> Health:
         """A snapshot of this consumer's health (cheap: no broker call unless the
-        broker has a ``connected`` property)."""
-        from msgpatterns.observability.stats import Health
-
-        now = time.monotonic()
+        broker has a ``connected`` property). Safe from any thread."""
         with self._fetcher.cond:
             state = self._state
             in_flight = len(self._fetcher.slots)
-            oldest = min(self._fetcher.slots.held.values(), default=None)
+            held_since = list(self._fetcher.slots.held.values())
             last = self._fetcher.last_fetch
-        threads_alive = all(t.is_alive() for t in self._threads)
-        connected = getattr(type(self.broker), "connected", None)
-        broker_connected: bool | None
-        if isinstance(connected, property):
-            try:
-                broker_connected = bool(self.broker.connected)  # type: ignore[attr-defined]
-            except Exception:
-                broker_connected = False
-        else:
-            broker_connected = None if last is None else last[1]
-        return Health(
-            name=self.name,
-            running=state is _State.RUNNING and threads_alive,
-            state=state.value,
-            last_fetch_at=None if last is None else last[0],
-            last_fetch_ok=None if last is None else last[1],
-            in_flight=in_flight,
-            oldest_unsettled_age=None if oldest is None else max(0.0, now - oldest),
-            broker_connected=broker_connected,
-        )
+        return health_snapshot(name=self.name, state=state,
+                               alive=all(t.is_alive() for t in self._threads),
+                               held_since=held_since, in_flight=in_flight, last_fetch=last,
+                               broker=self.broker)
 
 
 def _duration(value: float | timedelta | None, option: str) -> float | None:

@@ -19,22 +19,40 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from msgpatterns._escape import escape_control
 from msgpatterns.errors import ConfigurationError
 
-if TYPE_CHECKING:
-    from msgpatterns.message import Message
-
-__all__ = ["Delivery", "SettleCallback", "receipt_of"]
+__all__ = ["Delivered", "Delivery", "SettleCallback", "receipt_of"]
 
 log = logging.getLogger("msgpatterns.message")
 
 R = TypeVar("R")
 
-#: Called once with ``(message, error)`` when a delivery is settled.
-SettleCallback = Callable[["Message", "BaseException | None"], None]
+
+class Delivered(Protocol):
+    """What a delivery reads of its message (a :class:`~msgpatterns.Message`; this
+    module sits below it and names none of its other parts)."""
+
+    @property
+    def id(self) -> str | None: ...
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def delivery(self) -> Delivery[Any]: ...
+
+
+M = TypeVar("M", bound=Delivered)
+
+#: Called once with ``(message, error)`` when a delivery is settled (the message: a
+#: :class:`~msgpatterns.Message`).
+SettleCallback = Callable[[Any, "BaseException | None"], None]
 
 
 #: Guards the settle-once transition of EVERY delivery: a check-and-set of two
@@ -53,7 +71,7 @@ class Delivery(Generic[R]):
     :meth:`disable_auto_ack` change them.
     """
 
-    __slots__ = ("_sink", "auto_ack", "error", "receipt", "settled")
+    __slots__ = ("auto_ack", "error", "receipt", "settled", "sink")
 
     def __init__(self, receipt: R) -> None:
         #: The adapter's handle for this delivery (what ack/nack/dead_letter need).
@@ -64,7 +82,8 @@ class Delivery(Generic[R]):
         self.settled = False
         #: The error the delivery was settled with, or None.
         self.error: BaseException | None = None
-        self._sink: SettleCallback | None = None
+        #: Where the outcome goes, once, when the delivery is settled (:meth:`bind`).
+        self.sink: SettleCallback | None = None
 
     def disable_auto_ack(self) -> None:
         """The handler acks itself (``message.ack()``)."""
@@ -74,15 +93,15 @@ class Delivery(Generic[R]):
 
     def bind(self, sink: SettleCallback | None) -> None:
         """Where the outcome goes (once) when this delivery is settled."""
-        self._sink = sink
+        self.sink = sink
 
     @staticmethod
-    def bind_all(messages: Iterable[Message], sink: SettleCallback | None) -> None:
+    def bind_all(messages: Iterable[Delivered], sink: SettleCallback | None) -> None:
         """:meth:`bind` each of ``messages``' deliveries to ``sink`` (a fetched batch)."""
         for message in messages:
-            message.delivery._sink = sink
+            message.delivery.sink = sink
 
-    def finish(self, message: Message, error: BaseException | None) -> None:
+    def finish(self, message: Delivered, error: BaseException | None) -> None:
         """Record the handler's outcome: settle on error, or on return under auto ack."""
         if error is not None:
             self.settle(message, error, source="handler")
@@ -94,7 +113,7 @@ class Delivery(Generic[R]):
                     return
                 self.settled = True
                 self.error = None
-                sink = self._sink
+                sink = self.sink
             if sink is not None:
                 sink(message, None)
 
@@ -111,11 +130,11 @@ class Delivery(Generic[R]):
             return True
 
     @staticmethod
-    def settle_all_quietly(messages: Iterable[Message]) -> list[Message]:
+    def settle_all_quietly(messages: Iterable[M]) -> list[M]:
         """:meth:`settle_quietly` each of ``messages`` still under auto ack (one whose
         handler acks it itself is left alone, as :meth:`finish` leaves it); those it
         settled (in order)."""
-        won: list[Message] = []
+        won: list[M] = []
         append = won.append
         with _settle_lock:  # once for the batch: a few attribute reads and writes each
             for message in messages:
@@ -126,12 +145,12 @@ class Delivery(Generic[R]):
                     append(message)
         return won
 
-    def expire(self, message: Message, error: BaseException) -> bool:
+    def expire(self, message: Delivered, error: BaseException) -> bool:
         """Fail the delivery (its ack deadline, or a stop handing it back); False if it
         was settled already."""
         return self.settle(message, error, source="deadline")
 
-    def settle(self, message: Message, error: BaseException | None, *,
+    def settle(self, message: Delivered, error: BaseException | None, *,
                source: str) -> bool:
         """Settle with ``error`` (None: success); the first settlement wins and is
         reported to the sink, a later one is ignored (with a warning when it comes from
@@ -144,7 +163,7 @@ class Delivery(Generic[R]):
                 self.settled = True
                 self.error = error
                 late = False
-                sink = self._sink
+                sink = self.sink
         if late:
             if source in ("ack", "handler"):
                 log.warning(
@@ -161,7 +180,7 @@ class Delivery(Generic[R]):
         return True
 
 
-def receipt_of(message: Message, kind: type[R], owner: str) -> R:
+def receipt_of(message: Delivered, kind: type[R], owner: str) -> R:
     """``message``'s receipt, checked to be ``kind`` (the adapter's receipt type).
 
     Raises :class:`~msgpatterns.errors.ConfigurationError` (a ``ValueError``) naming

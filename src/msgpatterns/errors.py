@@ -7,6 +7,20 @@ Handlers signal intent with three exceptions:
 * :class:`Reject` - "never": the message goes straight to the dead-letter store.
 
 Anything else is an ordinary failure handled by the :class:`~msgpatterns.RetryPolicy`.
+
+Every public error class of msgpatterns is defined here (the modules that raise them
+re-export them under their former import paths), so ``from msgpatterns.errors import``
+reaches all of them. The families:
+
+* handler intent: :class:`NeedRetry` (:class:`InProgress`), :class:`Reject`
+  (:class:`MalformedMessage` and its kinds, :class:`IdempotencyConflict`, the ordering
+  rejects);
+* misuse: :class:`ConfigurationError` (:class:`RouteError`, :class:`InvalidChannel`);
+* a part used after ``close()``: :class:`ClosedError` (:class:`BrokerClosed`,
+  :class:`CheckerClosed`, :class:`QueueClosed`);
+* I/O: :class:`BrokerError` (:class:`BrokerClosed`, :class:`BrokerUnavailable`,
+  :class:`UnroutableError`, :class:`PartialPublish`), :class:`StoreUnavailable`,
+  :class:`TransactionAborted`.
 """
 
 from __future__ import annotations
@@ -14,29 +28,43 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from msgpatterns.message import Message
+from typing import Any
 
 __all__ = [
     "AckTimeout",
     "BrokerClosed",
     "BrokerError",
     "BrokerUnavailable",
+    "CheckerClosed",
     "ClosedError",
     "ConfigurationError",
     "IdempotencyConflict",
     "InProgress",
+    "InvalidChannel",
+    "InvalidVersion",
+    "KeyStopped",
     "MalformedMessage",
+    "MessageTooLarge",
     "MissingExtra",
+    "MissingIdempotencyKey",
+    "MissingVersion",
     "MsgPatternsError",
     "NeedRetry",
     "PartialFailure",
+    "PartialPublish",
     "QueueClosed",
     "Reject",
+    "ResultIntegrityError",
+    "ResultNotSerialisable",
+    "ResultNotStored",
+    "RouteConflict",
+    "RouteError",
+    "ScheduleFailure",
     "StoreUnavailable",
+    "TransactionAborted",
     "UnroutableError",
+    "UnroutedMessage",
+    "VersionConflict",
     "describe",
     "printable",
     "seconds",
@@ -150,8 +178,9 @@ class PartialFailure(MsgPatternsError):
     succeeded. ``message.ack(error)`` inside the handler does the same for one message.
     """
 
-    def __init__(self, failures: Mapping[Message, BaseException]) -> None:
-        self.failures: dict[Message, BaseException] = dict(failures)
+    def __init__(self, failures: Mapping[Any, BaseException]) -> None:
+        #: Message -> its exception (this module sits below msgpatterns.message).
+        self.failures: dict[Any, BaseException] = dict(failures)
         for error in self.failures.values():
             if not isinstance(error, BaseException):
                 raise TypeError(
@@ -168,13 +197,23 @@ class StoreUnavailable(MsgPatternsError):
 
 
 class ClosedError(MsgPatternsError, RuntimeError):
-    """A part was used after ``close()`` (or ``stop()`` / ``shutdown()``): a timing
-    wheel, an ordered executor, a batching queue. A ``RuntimeError``, as the standard
-    library's executors raise after shutdown. Brokers raise :class:`BrokerClosed`."""
+    """A part was used after ``close()`` (or ``stop()`` / ``shutdown()``): every closed
+    part raises one at once and never reopens. A ``RuntimeError``, as the standard
+    library's executors raise after shutdown.
+
+    The base of the closed errors: a broker (or its dead-letter admin) raises
+    :class:`BrokerClosed`, a checker :class:`CheckerClosed`, a batching queue
+    :class:`QueueClosed`; a timing wheel, an ordered executor, a version guard and a
+    closed ``Consumer`` / ``AsyncConsumer`` raise ``ClosedError`` itself. ``except
+    ClosedError`` catches them all."""
 
 
 class QueueClosed(ClosedError):
     """An item was added to a batching queue after ``close()``."""
+
+
+class CheckerClosed(ClosedError):
+    """A checker was used after its ``close()``: every operation raises this at once."""
 
 
 class ConfigurationError(MsgPatternsError, ValueError, TypeError):
@@ -191,8 +230,9 @@ class BrokerError(MsgPatternsError):
     """A broker operation failed; the client library's own exception is the cause."""
 
 
-class BrokerClosed(BrokerError):
-    """The broker adapter was closed: every operation after ``close()`` raises this."""
+class BrokerClosed(BrokerError, ClosedError):
+    """The broker adapter was closed: every operation after ``close()`` raises this.
+    Both a :class:`BrokerError` and a :class:`ClosedError`."""
 
 
 class BrokerUnavailable(BrokerError):
@@ -201,6 +241,147 @@ class BrokerUnavailable(BrokerError):
 
 class UnroutableError(BrokerError):
     """A publish could not be routed to any queue; nothing was sent."""
+
+
+class PartialPublish(BrokerError):
+    """A batch was not fully confirmed. ``ids[i]`` is item ``i``'s message id if the
+    broker confirmed it, else None; the cause is the first failure."""
+
+    def __init__(self, message: str, ids: list[str | None]) -> None:
+        super().__init__(message)
+        self.ids = ids
+
+    @property
+    def confirmed(self) -> int:
+        """How many items of the batch the broker confirmed."""
+        return sum(i is not None for i in self.ids)
+
+
+class MessageTooLarge(MalformedMessage):
+    """A delivery is larger than the adapter's ``max_message_bytes``: dead-lettered
+    with this reason (size and bound), never handed to the handler."""
+
+
+# -- idempotency ----------------------------------------------------------------------
+
+
+class MissingIdempotencyKey(MalformedMessage):
+    """The message has no idempotency key (no key and no id, or the key function gave
+    None or ""). A Reject: dead-lettered with a reason that says how to set one, never
+    guessed and never stored."""
+
+
+class ResultNotSerialisable(MsgPatternsError, TypeError):
+    """A handler's result cannot be stored as JSON (its type, a NaN, a cycle, too deep).
+
+    Never raised to the caller whose handler produced it - that effect has happened, so
+    the key is marked DONE without a result and this error is logged; its text is kept
+    as the reason a duplicate's :class:`ResultNotStored` gives.
+    """
+
+
+class ResultNotStored(Reject):
+    """A duplicate asked for the stored result of a DONE key that has none.
+
+    The effect was applied once and is not applied again. The reason says why there is
+    no result: it was too large, not JSON-serialisable, or the key was completed
+    without ``store_result``. A :class:`Reject`: under a ``Consumer`` the duplicate is
+    dead-lettered with this reason (pass ``on_duplicate`` to handle it otherwise).
+    """
+
+
+class ResultIntegrityError(ResultNotStored):
+    """A duplicate's stored result failed its integrity check (the checker has a
+    ``result_key``): it was forged, altered, written without the key or for another
+    key. The value is never returned. The effect was applied once and is not applied
+    again; as a :class:`ResultNotStored` (a ``Reject``) the duplicate is dead-lettered
+    with this reason under a ``Consumer``.
+    """
+
+
+class TransactionAborted(MsgPatternsError):
+    """The database aborted the handler's transaction before commit: nothing of it (nor
+    the dedup row) was committed. An ordinary failure: the message is retried per the
+    retry policy, never acked."""
+
+
+# -- ordering ---------------------------------------------------------------------------
+
+
+class InvalidVersion(MalformedMessage):
+    """A message's version field is unusable (for example ``new`` is not after
+    ``expected``)."""
+
+
+class MissingVersion(InvalidVersion):
+    """A message has no version (or timestamp) field, so it cannot be ordered."""
+
+
+class UnroutedMessage(MalformedMessage):
+    """A message in an ordered topic's partition carries no route version: it was not
+    published with ``OrderedTopic.publish``, so nothing says its partition is its
+    key's, and its order cannot be kept. It is dead-lettered, never handled."""
+
+
+class KeyStopped(Reject):
+    """An earlier message of this key was dead-lettered and the ordered topic's consumer
+    runs with ``on_dead_letter="stop"``: the later ones are dead-lettered too."""
+
+
+class VersionConflict(Reject):
+    """The stored row can never accept this transition: it moved past ``expected``
+    along another path (a writer outside the message flow changed the version)."""
+
+
+class RouteError(ConfigurationError):
+    """A route change that breaks the ordered-topic rules (a partition that is not
+    open, ranges that are not adjacent, a split point outside the range, a stored
+    route that does not parse)."""
+
+
+class RouteConflict(RouteError):
+    """Another route change of the topic is in progress or won the race: one change at
+    a time, versions contiguous. Read the routes again and decide anew."""
+
+
+# -- batching and testing -----------------------------------------------------------------
+
+
+class InvalidChannel(ConfigurationError):
+    """A ``MultipleQueueFlusher``'s ``route(item)`` did not return a channel index in
+    ``range(channels)`` (``msgpatterns.batching.RouteError`` is this class)."""
+
+
+class ScheduleFailure(AssertionError):
+    """The invariant (or the handler, unexpectedly) failed on a schedule explored by
+    ``msgpatterns.testing.explore_schedules``; the message holds the minimal schedule
+    as a story."""
+
+
+#: The classes that moved here from the modules that raise them keep those modules as
+#: their ``__module__`` (each still exports it): a dead letter's ``error_type``
+#: (``module.QualName``, also a wire header) and a pickled error read the same as they
+#: did before the move, for consumers and stores of every version.
+_FORMER_HOMES: dict[type[BaseException], str] = {
+    PartialPublish: "msgpatterns.brokers._batch",
+    MessageTooLarge: "msgpatterns.limits",
+    CheckerClosed: "msgpatterns.idempotency.base",
+    MissingIdempotencyKey: "msgpatterns.idempotency.decorator",
+    ResultNotSerialisable: "msgpatterns.idempotency.results",
+    ResultNotStored: "msgpatterns.idempotency.results",
+    ResultIntegrityError: "msgpatterns.idempotency.results",
+    TransactionAborted: "msgpatterns.idempotency.guard",
+    InvalidVersion: "msgpatterns.ordering.errors",
+    MissingVersion: "msgpatterns.ordering.errors",
+    UnroutedMessage: "msgpatterns.ordering.errors",
+    KeyStopped: "msgpatterns.ordering.errors",
+    VersionConflict: "msgpatterns.ordering.errors",
+    RouteError: "msgpatterns.ordering.errors",
+    RouteConflict: "msgpatterns.ordering.errors",
+    ScheduleFailure: "msgpatterns.testing.explore",
+}
+for _moved, _home in _FORMER_HOMES.items():
+    _moved.__module__ = _home
 
 
 class MissingExtra(ImportError):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from msgpatterns.errors import ConfigurationError, MalformedMessage
+from msgpatterns.errors import ConfigurationError, MessageTooLarge
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -41,11 +41,6 @@ __all__ = [
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 Headers = Mapping[str, object] | Iterable[tuple[str, object]] | None
-
-
-class MessageTooLarge(MalformedMessage):
-    """A delivery is larger than the adapter's ``max_message_bytes``: dead-lettered
-    with this reason (size and bound), never handed to the handler."""
 
 
 def check_max_message_bytes(value: object) -> int | None:

@@ -189,7 +189,7 @@ def delivered(body: Any, id: str, topic: str, timestamp: float, receipt: object,
     delivery.auto_ack = True
     delivery.settled = False
     delivery.error = None
-    delivery._sink = None
+    delivery.sink = None
     message: Message = _new(Message)
     message.body = message.raw_body = body
     message.id = id

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from msgpatterns.aio._amqp_link import AmqpLink
+from msgpatterns.brokers.rabbitmq._amqp_link import AmqpLink
 
 
 class Channel:

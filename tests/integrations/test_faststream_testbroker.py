@@ -16,7 +16,7 @@ from faststream.redis import RedisBroker, StreamSub, TestRedisBroker
 
 from msgpatterns import Backoff, MemoryChecker, NeedRetry, Reject, RetryPolicy, idempotent
 from msgpatterns import headers as h
-from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers import codec
 from msgpatterns.deadletter import MemoryDeadLetterStore
 from msgpatterns.integrations.faststream import Delivery, MsgpatternsMiddleware
 

@@ -1,9 +1,9 @@
-"""Issue 10 regressions for the ``msgpatterns`` command, run as a stranger runs it: a
-subprocess (``python -m msgpatterns``) against unreachable ports, a server that accepts
-and never answers, wrong passwords, bad schemes and bad options, plus ``redis-cli`` as
-the foreign client that creates a topic. Each run must end with an exit code (2 usage,
-1 runtime), one line on stderr and no traceback; the subprocess timeout (15 s) is only a
-generous bound on the command's own connect timeouts (5 s)."""
+"""The ``msgpatterns`` command, run as a stranger runs it (regressions first collected
+in issue 10): a subprocess (``python -m msgpatterns``) against unreachable ports, a
+server that accepts and never answers, wrong passwords, bad schemes and bad options,
+plus ``redis-cli`` as the foreign client that creates a topic. Each run must end with an
+exit code (2 usage, 1 runtime), one line on stderr and no traceback; the subprocess
+timeout (15 s) is only a generous bound on the command's own connect timeouts (5 s)."""
 
 from __future__ import annotations
 
@@ -245,3 +245,31 @@ def test_one_mapping_for_wrapped_and_raw_client_errors() -> None:
     code, line = explain(RuntimeError(f"oops near {SECRET}"), url)
     assert code == 1 and line.startswith("unexpected error: RuntimeError")
     assert SECRET not in line and "--debug" in line
+
+
+# -- the command and the demos outside the library (issue 11, item 7) ------------------
+
+
+def test_importing_the_library_loads_no_command_demo_or_test_helper() -> None:
+    """`import msgpatterns` (and the parts) never import the command, the demos
+    or the test helpers."""
+    code = ("import sys, msgpatterns, msgpatterns.brokers, msgpatterns.idempotency, "
+            "msgpatterns.ordering; "
+            "bad = [m for m in sys.modules if m.startswith(('msgpatterns.cli', "
+            "'msgpatterns.demo', 'msgpatterns.testing'))]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_subcommands_are_registered_explicitly() -> None:
+    """the command's subcommands are the modules of msgpatterns.cli, in order."""
+    from msgpatterns import cli
+
+    assert [r.__module__ for r in cli.COMMANDS] == [
+        "msgpatterns.cli.demo", "msgpatterns.cli.dedup", "msgpatterns.cli.dlq",
+        "msgpatterns.cli.topic"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0

@@ -1,4 +1,5 @@
-"""Issue 10, idempotency holes: each test reproduces a hole from the outside.
+"""Idempotency: the holes found from the outside (first collected in issue 10), each
+reproduced by a test.
 
 Real servers where it matters (PostgreSQL, MariaDB, Redis: marked tests), every
 store where the contract is the store's (closed checkers, hostile keys).

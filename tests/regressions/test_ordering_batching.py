@@ -1,5 +1,5 @@
-"""Issue 10 regressions for the ordering and batching helpers, written from the outside:
-the user's order of calls and the wrong kinds of arguments."""
+"""The ordering and batching helpers, regressions written from the outside (first
+collected in issue 10): the user's order of calls and the wrong kinds of arguments."""
 
 from __future__ import annotations
 

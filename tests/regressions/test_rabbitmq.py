@@ -1,7 +1,7 @@
-"""Issue 10, RabbitMQ holes: each test reproduces a hole from the outside, on the real
-server (guest/guest on 127.0.0.1:5672): messages come from foreign clients
-(``amqp-publish`` of Debian's amqp-tools, plain pika with explicit properties), and
-``rabbitmqctl list_queues`` shows what is left on the server."""
+"""The RabbitMQ adapter: the holes found from the outside (first collected in issue 10),
+each reproduced by a test on the real server (guest/guest on 127.0.0.1:5672): messages
+come from foreign clients (``amqp-publish`` of Debian's amqp-tools, plain pika with
+explicit properties), and ``rabbitmqctl list_queues`` shows what is left on the server."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Batched acks on RabbitMQ (issue 15): settled deliveries go out as one
+"""The RabbitMQ adapter, batched acks (issue 15): settled deliveries go out as one
 ``basic_ack(multiple=True)`` per flush, and only the contiguous settled prefix of the
-channel's delivery tags may go that way. Checked on the real server
-(``rabbitmqctl list_queues``: ready / unacknowledged counts) with out-of-order
-settlement, held-back deliveries, a nack and a hand-back in between, close() racing
-acks, and messages from a foreign publisher (``amqp-publish``)."""
+channel's delivery tags may go that way. Checked on the real server (``rabbitmqctl
+list_queues``: ready / unacknowledged counts) with out-of-order settlement, held-back
+deliveries, a nack and a hand-back in between, close() racing acks, and messages from a
+foreign publisher (``amqp-publish``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 10 regressions for retry schedules, durations and dead-letter records,
-driven from the outside: the user's RetryPolicy and handler through Consumer and the
-in-memory broker."""
+"""Retry schedules, durations and dead-letter records, regressions (first collected in
+issue 10) driven from the outside: the user's RetryPolicy and handler through Consumer
+and the in-memory broker."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Issue 10 regressions for the consumer runtime and the in-memory broker, driven from
-the outside: the user's order of calls (stop() then close()), wrong kinds of arguments,
-races against a fetch in progress, hostile handlers."""
+"""The consumer runtime and the in-memory broker, regressions (first collected in issue
+10) driven from the outside: the user's order of calls (stop() then close()), wrong
+kinds of arguments, races against a fetch in progress, hostile handlers."""
 
 from __future__ import annotations
 
@@ -256,9 +256,12 @@ def test_async_handler_or_decoder_refused_at_construction() -> None:
         return raw
 
     for bad in (handler, AsyncCallable()):
-        with pytest.raises(TypeError, match="async"):
+        with pytest.raises(TypeError, match="async def") as refused:
             Consumer(broker, bad, topics=["t"], group="g")
-    with pytest.raises(TypeError, match="decoder"):
+        # it names the driver that runs async handlers, never "no async support"
+        assert "msgpatterns.AsyncConsumer" in str(refused.value)
+        assert "no async support" not in str(refused.value)
+    with pytest.raises(TypeError, match=r"decoder.*AsyncConsumer"):
         Consumer(broker, lambda m: None, topics=["t"], group="g", decoder=decoder)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 from reliability_harness import record_fault
+from server_faults import quiet  # noqa: F401  # re-exported: fault files use it by name
 
 from msgpatterns import Consumer
 from msgpatterns.aio.consumer import AsyncConsumer
@@ -35,15 +35,6 @@ def report(name: str, messages: int, faults: int, lost: int, doubled: int,
                  stranded=stranded, recover=seconds)
     print(f"fault: {name} messages={messages} faults={faults} lost={lost} "
           f"doubled={doubled} stranded={stranded} seconds={seconds:.2f}")
-
-
-@pytest.fixture
-def quiet() -> Iterator[None]:
-    logger = logging.getLogger("msgpatterns")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import shutil
 import subprocess
 import time
@@ -26,6 +25,12 @@ from urllib.parse import urlsplit
 import pytest
 import sqlalchemy as sa
 from reliability_harness import record_fault
+from server_faults import (
+    close_rabbit_connections,
+    quiet,
+    rabbit_queue_depth,
+    rabbitmqctl,
+)
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from msgpatterns import Message, Reject
@@ -34,6 +39,8 @@ from msgpatterns.idempotency import AsyncTransactionalSqlChecker, idempotent
 from msgpatterns.retry import Backoff, RetryPolicy
 from msgpatterns.testing import services
 from tcp_fault_proxy import FaultProxy
+
+__all__ = ["quiet"]  # a fixture, used by name
 
 pytestmark = [pytest.mark.anyio, pytest.mark.rabbitmq, pytest.mark.postgres,
               pytest.mark.timeout(600)]
@@ -49,15 +56,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture
-def quiet() -> Iterator[None]:
-    logger = logging.getLogger("msgpatterns")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
-
-
 def report(name: str, messages: int, faults: int, lost: int, doubled: int, *,
            stranded: int, recover: float | None) -> None:
     """One line of the reliability summary, with stranded and seconds to recover."""
@@ -69,37 +67,6 @@ def report(name: str, messages: int, faults: int, lost: int, doubled: int, *,
 
 
 # -- rabbitmqctl: our own connections and queues only -------------------------------------
-
-
-def rabbitmqctl(*args: str) -> str:
-    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True,
-                          timeout=60, check=True).stdout
-
-
-def close_named(name: str) -> int:
-    """``rabbitmqctl close_connection`` for the connections named ``name`` (ours)."""
-    closed = 0
-    for line in rabbitmqctl("list_connections", "pid", "client_properties",
-                            "--no-table-headers").splitlines():
-        if f'"{name}"' not in line and f"<<\"{name}\">>" not in line:
-            continue
-        try:
-            rabbitmqctl("close_connection", line.split("\t", 1)[0].strip(),
-                        "reliability test: server-side close")
-            closed += 1
-        except subprocess.CalledProcessError:
-            pass  # gone already
-    return closed
-
-
-def queue_messages(queue: str) -> int:
-    """Messages in ``queue``, ready and delivered-unacked (0 when it does not exist)."""
-    for line in rabbitmqctl("list_queues", "name", "messages",
-                            "--no-table-headers").splitlines():
-        name, _, count = line.partition("\t")
-        if name == queue:
-            return int(count.strip())
-    return 0
 
 
 def delete_queues(prefix: str) -> None:
@@ -160,11 +127,11 @@ class Run:
         left = -1
         while time.monotonic() < give_up:
             if consumer.in_flight == 0:
-                left = await asyncio.to_thread(queue_messages, self.queue)
+                left = await asyncio.to_thread(rabbit_queue_depth, self.queue)
                 if left == 0:
                     return 0
             await asyncio.sleep(0.5)
-        return left if left >= 0 else await asyncio.to_thread(queue_messages, self.queue)
+        return left if left >= 0 else await asyncio.to_thread(rabbit_queue_depth, self.queue)
 
 
 @pytest.fixture
@@ -336,7 +303,7 @@ async def test_consumer_recovers_from_server_side_connection_closes(
             assert await run.until((i + 1) * len(keys) // (closes + 1), RECOVER), \
                 f"stalled at {len(run.done)} of {len(keys)} before close {i + 1}"
             go.clear()  # the handlers now running wait for the close
-            assert await asyncio.to_thread(close_named, run.name) == 1
+            assert await asyncio.to_thread(close_rabbit_connections, run.name) == 1
             before = len(run.done)
             closed_at = time.monotonic()
             go.set()

@@ -39,6 +39,7 @@ from redis_fault_tools import (
     report,
     with_client_name,
 )
+from server_faults import race_stop_and_close
 
 from msgpatterns import Consumer, InMemoryBroker, idempotent
 from msgpatterns.aio.consumer import AsyncConsumer
@@ -361,7 +362,7 @@ def test_redis_streams_fault_matrix(kind: str, mode: str, fault: str, unique: st
                 driver.start(build)
                 before = sum(effects.count.values())
                 effects.wait_for(lambda b=before: sum(effects.count.values()) >= b + 20, 30)
-                race(driver, brokers[-1])
+                race_stop_and_close(driver, brokers[-1])
                 driver.finish()
                 faults += 1
             driver = Driver(kind)
@@ -401,27 +402,3 @@ def test_redis_streams_fault_matrix(kind: str, mode: str, fault: str, unique: st
     if mode == "idempotent" and fault != "stop-close-race":
         # (a stop whose deadline cuts a claim round: issue 19 hole 1, another branch)
         assert effects.doubled() == 0
-
-
-def race(driver: Driver, broker: Any) -> None:
-    """The consumer's ``stop()`` and its broker's ``close()`` at the same moment, from
-    two threads (two tasks on the asyncio side)."""
-    if driver.is_async:
-        async def both() -> None:
-            await asyncio.gather(driver.consumer.stop(5), broker.close(),
-                                 return_exceptions=True)
-        driver.call(both)
-        return
-    barrier = threading.Barrier(2)
-
-    def run(fn: Callable[[], Any]) -> None:
-        barrier.wait()
-        with contextlib.suppress(Exception):
-            fn()
-
-    threads = [threading.Thread(target=run, args=(fn,))
-               for fn in (lambda: driver.consumer.stop(5), broker.close)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import os
 import shutil
 import signal
@@ -20,13 +19,14 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from reliability_harness import record_fault
+from server_faults import close_rabbit_connections, quiet, rabbitmqctl
 
 from msgpatterns import Consumer, idempotent
 from msgpatterns.brokers.memory import InMemoryBroker
@@ -34,6 +34,8 @@ from msgpatterns.idempotency import RedisChecker, StorePolicy, TransactionalSqlC
 from msgpatterns.message import Message
 from msgpatterns.retry import Backoff, RetryPolicy
 from msgpatterns.testing import services
+
+__all__ = ["quiet"]  # a fixture, used by name
 
 N = 1000
 KILL_EVERY = 40  # handled messages between two kills
@@ -93,15 +95,6 @@ class Killer(threading.Thread):
             target = len(self.progress.effects) + self.every
             if target >= len(self.progress.keys):
                 return
-
-
-@pytest.fixture
-def quiet() -> Iterator[None]:
-    logger = logging.getLogger("msgpatterns")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
 
 
 def report(name: str, messages: int, kills: int, lost: int, doubled: int) -> None:
@@ -354,27 +347,6 @@ def test_own_redis_server_sigkill_and_restart(tmp_path: Path, quiet: None) -> No
 # -- RabbitMQ: our connection closed server-side -----------------------------------------
 
 
-def rabbitmqctl(*args: str) -> str:
-    return subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True,
-                          timeout=60, check=True).stdout
-
-
-def close_named(name: str) -> int:
-    """``rabbitmqctl close_connection`` for the connections named ``name`` (ours)."""
-    closed = 0
-    for line in rabbitmqctl("list_connections", "pid", "client_properties",
-                            "--no-table-headers").splitlines():
-        if f'"{name}"' not in line and f"<<\"{name}\">>" not in line:
-            continue
-        pid = line.split("\t", 1)[0].strip()
-        try:
-            rabbitmqctl("close_connection", pid, "reliability test: server-side close")
-            closed += 1
-        except subprocess.CalledProcessError:
-            pass
-    return closed
-
-
 def ready_drained(url: str, queue: str, consumer: Consumer, timeout: float) -> bool:
     """True once ``queue`` holds no message at all, ready or delivered and unacked (the
     adapter's prefetch buffer included), and the consumer holds none: polled with
@@ -423,7 +395,7 @@ def test_rabbitmq_connection_closed_server_side(unique: str, quiet: None,
     consumer = Consumer(broker, handle, topics=[topic], group="g", workers=2,
                         retry=POLICY, ack_timeout=0, poll_timeout=0.1)
     consumer.start()
-    killer = Killer(progress, lambda: close_named(name), most=3, every=250)
+    killer = Killer(progress, lambda: close_rabbit_connections(name), most=3, every=250)
     try:
         killer.start()
         recovered = progress.all_done.wait(180)

@@ -24,13 +24,15 @@ EVENT_SCHEMA = "order_id STRING, version BIGINT, status STRING, event_id STRING"
 class FileStream:
     """Order events as JSON files, read by a streaming query with a checkpoint."""
 
-    def __init__(self, spark: SparkSession, root: Path) -> None:
+    def __init__(self, spark: SparkSession, root: Path, *, resume: bool = False) -> None:
+        """``resume``: the stream another process started under ``root`` (its files
+        and checkpoint), as a restarted driver finds it."""
         self.spark = spark
         self.root = root
         self.source = root / "events"
-        self.source.mkdir()
+        self.source.mkdir(exist_ok=resume)
         self.checkpoint = root / "checkpoint-0"
-        self.files = 0
+        self.files = len(list(self.source.glob("events-*.json")))
 
     def add(self, *events: dict[str, Any]) -> None:
         """One more file: the next micro-batch."""

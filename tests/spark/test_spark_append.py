@@ -87,10 +87,15 @@ def test_a_reattempted_task_writes_its_partition_once(
     _drop(engine, f"parts_{unique}")
 
 
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+@SQLITE_ONLY
 def test_the_plain_foreach_partition_append_writes_a_reattempted_partition_twice(
     spark: SparkSession, db_url: str, engine: sa.Engine, events: sa.Table,
 ) -> None:
-    """Why append_rows exists: the same fault doubles a plain append."""
+    """Why append_rows exists: the same fault doubles a plain append (on any database:
+    SQLite only)."""
     events_frame(spark, 40).foreachPartition(AppendThenFailFirstAttempt(db_url, events.name))
     rows = appended(engine, events)
     assert len(rows) == 80 and sorted(set(rows)) == expected(40)
@@ -125,6 +130,7 @@ def test_a_replayed_or_concurrent_batch_appends_nothing_twice(
     _drop(engine, f"parts_{unique}")
 
 
+@SQLITE_ONLY  # the ledger's statements on PostgreSQL: the replayed and concurrent test
 def test_a_stream_replayed_after_a_driver_crash_appends_once(
     stream: FileStream, db_url: str, engine: sa.Engine, events: sa.Table, unique: str,
 ) -> None:

@@ -139,3 +139,46 @@ def test_a_recomputed_claim_gets_the_same_claims_back(
     assert resent.stats == DedupStats(kept=0, dropped=6, in_progress=0)
     assert resent.df.count() == 0
     resent.release()
+
+
+def test_a_replayed_batch_gets_its_claims_back(
+    spark: SparkSession, checker_spec: CheckerSpec,
+) -> None:
+    """The driver died between the claims and ``commit`` (nothing released them); Spark
+    re-runs the batch with the same id. With ``sink_id``/``batch_id`` the re-run owns
+    the claims and marks them DONE; with a fresh owner per call (the contrast) it finds
+    them in progress and marks none, so a later resend would be written again."""
+    df = spark.createDataFrame([event(f"o{n}", 1) for n in range(6)], EVENT_SCHEMA)
+    batch = {"sink_id": "payments", "batch_id": 7, "query_id": "q1"}
+    dedup_rows(df, checker_spec, key="event_id", **batch)  # claimed, then the crash
+    replay = dedup_rows(df, checker_spec, key="event_id", **batch)
+    assert replay.stats == DedupStats(kept=6, dropped=0, in_progress=0)
+    assert replay.commit() == 6
+    resent = dedup_rows(df, checker_spec, key="event_id")
+    assert resent.stats == DedupStats(kept=0, dropped=6, in_progress=0)
+    resent.release()
+
+    other = spark.createDataFrame([event(f"p{n}", 1) for n in range(6)], EVENT_SCHEMA)
+    dedup_rows(other, checker_spec, key="event_id")  # claimed by a fresh owner, then the crash
+    rerun = dedup_rows(other, checker_spec, key="event_id")
+    assert rerun.stats == DedupStats(kept=6, dropped=0, in_progress=6)
+    assert rerun.commit() == 0
+
+    # another batch, query or sink is another owner
+    for change in ({"batch_id": 8}, {"query_id": "q2"}, {"sink_id": "refunds"}):
+        again = dedup_rows(other, checker_spec, key="event_id", **{**batch, **change})
+        assert again.stats.in_progress == 6, change
+        again.release()
+
+
+def test_batch_claims_need_a_sink_and_a_batch(spark: SparkSession, tmp_path: Path) -> None:
+    df = spark.createDataFrame([event("o1", 1)], EVENT_SCHEMA)
+    url = f"sqlite:///{tmp_path / 'dedup.db'}"
+    with pytest.raises(ConfigurationError, match="sink_id"):
+        dedup_rows(df, url, key="event_id", batch_id=1)
+    with pytest.raises(ConfigurationError, match="need batch_id"):
+        dedup_rows(df, url, key="event_id", sink_id="s")
+    with pytest.raises(ConfigurationError, match="batch_id must"):
+        dedup_rows(df, url, key="event_id", sink_id="s", batch_id=-1)
+    with pytest.raises(ConfigurationError, match="foreachBatch"):
+        dedup_rows(df, url, key="event_id", sink_id="s", batch_id=1)  # no query id here

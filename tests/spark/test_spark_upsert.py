@@ -13,7 +13,8 @@ from spark_streams import EVENT_SCHEMA, FileStream, event, orders_table, read_ta
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency.policy import StorePolicy
 from msgpatterns.spark import SqlSpec, UpsertResult, upsert_latest
-from msgpatterns.spark.upsert import _KEYS, _MISSING, _ROWS, _WRITTEN, _Target, _WritePartition
+from msgpatterns.spark.latest import LatestRows
+from msgpatterns.spark.upsert import _KEYS, _ROWS, _WRITTEN, _Target, _WritePartition
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -201,9 +202,10 @@ def test_a_connection_killed_between_chunks_is_replaced_and_the_chunk_retried(
                         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                         "WHERE application_name = :app"), {"app": app}).scalar_one())
             yield pa.RecordBatch.from_pylist([{"order_id": f"o{n}", "version": 1,
-                                               "status": "s1", _ROWS: 1, _MISSING: 0}])
+                                               "status": "s1"}])
 
-    (counts,) = _WritePartition(target, 10)(rows())
+    latest = LatestRows(("order_id",), "version", "sorted")
+    (counts,) = _WritePartition(target, 10, latest)(rows())
     assert killed == [1]
     assert counts.to_pylist() == [{_ROWS: 25, _KEYS: 25, _WRITTEN: 25}]
     assert len(read_table(engine, orders)) == 25

@@ -1,30 +1,41 @@
-"""asyncio: :class:`AsyncConsumer` for ``async def`` handlers, async broker adapters,
-async batching (:class:`AsyncFlusher` and its siblings) and :class:`AsyncVersionGuard`.
+"""asyncio: :class:`AsyncConsumer` for ``async def`` handlers, the async broker adapters,
+async batching (:class:`AsyncFlusher` and its siblings), :class:`AsyncVersionGuard` and
+:class:`AsyncDeadLetters`.
 
-The async path is a second driver of the same core as :class:`~msgpatterns.Consumer`:
-the same :class:`~msgpatterns.Message`, the same decision
-(:func:`msgpatterns.settlement.settle`), the same wire format in the adapters (a sync
-and an async adapter of one broker read each other's messages, retries and dead
-letters). Adapters needing an optional client library load on first use.
+The async path is a second driver of the same runtime parts as
+:class:`~msgpatterns.Consumer` (:mod:`msgpatterns.runtime`: the settler and
+``RetryPolicy.decide``, the slots, the retry scheduler, the key gate, the batch-handler
+rules, the telemetry reports, the health snapshot), with the same contract (the parity
+suite runs one test body on both; ``docs/asyncio.md`` lists what differs and why), and
+the same wire format in the adapters (a sync and an async adapter of one broker read
+each other's messages, retries and dead letters).
+
+The async checkers (:class:`~msgpatterns.idempotency.AsyncRedisChecker`,
+:class:`~msgpatterns.idempotency.AsyncSqlChecker`,
+:class:`~msgpatterns.idempotency.AsyncTransactionalSqlChecker`) live in
+:mod:`msgpatterns.idempotency`; they and :class:`AsyncConsumer` are also top-level names
+(``from msgpatterns import AsyncConsumer``). Every part here has ``aclose()`` and
+``async with``. Adapters needing an optional client library load on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from msgpatterns._extras import lazy_attributes
 from msgpatterns.aio.admin import AsyncDeadLetters
 from msgpatterns.aio.base import AsyncBroker
 from msgpatterns.aio.batching import AsyncBatchExecutor, AsyncFlusher, AsyncMultipleQueueFlusher
 from msgpatterns.aio.consumer import AsyncConsumer, AsyncHandler
-from msgpatterns.aio.memory import AsyncInMemoryBroker
+from msgpatterns.brokers.memory.aio import AsyncInMemoryBroker
 
 if TYPE_CHECKING:
-    from msgpatterns.aio.kafka import ThreadedAsyncKafkaBroker
-    from msgpatterns.aio.kafka_native import AIOKafkaBroker, AsyncKafkaBroker
-    from msgpatterns.aio.rabbitmq import AsyncRabbitMQBroker
-    from msgpatterns.aio.redis_streams import AsyncRedisStreamsBroker
-    from msgpatterns.aio.threaded import ThreadedAsyncBroker
     from msgpatterns.aio.version_guard import AsyncVersionGuard
+    from msgpatterns.brokers.kafka.aio import AIOKafkaBroker, AsyncKafkaBroker
+    from msgpatterns.brokers.kafka.aio_threaded import ThreadedAsyncKafkaBroker
+    from msgpatterns.brokers.rabbitmq.aio import AsyncRabbitMQBroker
+    from msgpatterns.brokers.redis.aio import AsyncRedisStreamsBroker
+    from msgpatterns.brokers.threaded import ThreadedAsyncBroker
 
 __all__ = [
     "AIOKafkaBroker",
@@ -45,20 +56,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "AsyncRedisStreamsBroker": "msgpatterns.aio.redis_streams",
-    "AsyncRabbitMQBroker": "msgpatterns.aio.rabbitmq",
-    "AsyncKafkaBroker": "msgpatterns.aio.kafka_native",
-    "ThreadedAsyncKafkaBroker": "msgpatterns.aio.kafka",
-    "AIOKafkaBroker": "msgpatterns.aio.kafka_native",
-    "ThreadedAsyncBroker": "msgpatterns.aio.threaded",
+    "AsyncRedisStreamsBroker": "msgpatterns.brokers.redis.aio",
+    "AsyncRabbitMQBroker": "msgpatterns.brokers.rabbitmq.aio",
+    "AsyncKafkaBroker": "msgpatterns.brokers.kafka.aio",
+    "ThreadedAsyncKafkaBroker": "msgpatterns.brokers.kafka.aio_threaded",
+    "AIOKafkaBroker": "msgpatterns.brokers.kafka.aio",
+    "ThreadedAsyncBroker": "msgpatterns.brokers.threaded",
     "AsyncVersionGuard": "msgpatterns.aio.version_guard",
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is not None:
-        import importlib
-
-        return getattr(importlib.import_module(module), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

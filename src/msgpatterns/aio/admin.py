@@ -47,7 +47,12 @@ class AsyncDeadLetters:
         return await asyncio.to_thread(self.sync.knows, topic, group)
 
     async def close(self) -> None:
+        """Close the sync admin (in a worker thread); idempotent."""
         await asyncio.to_thread(self.sync.close)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, under the name every async part of msgpatterns has."""
+        await self.close()
 
     async def __aenter__(self) -> AsyncDeadLetters:
         return self

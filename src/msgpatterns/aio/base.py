@@ -6,7 +6,8 @@ and dead letters): ``fetch`` (deliveries with a durable ``attempt``), ``ack``,
 ``nack(delay)`` (redeliver with ``attempt + 1`` and the message's headers at the time
 of the call), ``dead_letter`` (park with the full record), ``publish``; ``now()`` is the
 broker's clock and stays a plain call; ``close()`` is awaited, after which every
-operation raises :class:`~msgpatterns.errors.BrokerClosed`.
+operation raises :class:`~msgpatterns.errors.BrokerClosed`. The library's adapters also
+have ``aclose()`` (the same, under the name every async part has) and ``async with``.
 """
 
 from __future__ import annotations

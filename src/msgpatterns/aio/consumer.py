@@ -3,9 +3,10 @@
 
 It is a second driver of the same parts (:mod:`msgpatterns.runtime`), not a second
 runtime: every outcome goes through the same settler (:meth:`RetryPolicy.decide` ->
-broker operations -> counts, awaited here with
+broker operations -> counts, awaited by :mod:`msgpatterns.runtime.async_settling` with
 :func:`~msgpatterns.runtime.settler.run_async`); the slots, the retry scheduler and its
-clock, the idle driver and ordered mode's key gate are the thread driver's own.
+clock, the idle driver, ordered mode's key gate and the claim rounds of ``@idempotent``
+handlers are the thread driver's own.
 Only the waiting differs: ``max_in_flight`` long-lived worker coroutines pulling from
 a ready queue (:mod:`msgpatterns.runtime.async_flow`) and ``asyncio`` timers instead
 of threads and a wheel. Data flows one way: fetch -> worker runs the handler ->
@@ -19,8 +20,9 @@ Guarantees:
 * Every delivery is settled exactly once, by the first of: the handler returning
   (auto ack), an explicit ``message.ack`` (from any task or thread), the handler
   raising, the ack deadline (:class:`~msgpatterns.errors.AckTimeout`), or the consumer
-  stopping (handed back). Local retries wait with ``asyncio.sleep``; redeliveries go
-  through the broker's ``nack(delay)``; the last allowed failure is dead-lettered.
+  stopping (handed back). Local retries wait on the retry scheduler (a loop timer, or
+  virtual time under ``run_until_idle`` on the fake), holding their slot; redeliveries
+  go through the broker's ``nack(delay)``; the last allowed failure is dead-lettered.
 * A settlement that fails is settled another way (a fallback dead letter, or a nack),
   never left hanging.
 * Ordered mode: a key's messages run one at a time in delivery order; a message being
@@ -32,10 +34,17 @@ Guarantees:
   :mod:`msgpatterns.runtime.rounds`, shared with the thread driver). Neither the ack
   deadline nor a stop takes the claim of a handler still running; duplicates and keys
   in progress are settled without running it.
+* Batch handlers (``batch=True``) on the thread driver's rules
+  (:mod:`msgpatterns.runtime.batches`, awaited by :mod:`msgpatterns.runtime.async_batches`).
+* Telemetry and health as the thread driver's: the same counts and CONSUMER spans
+  reported to the listener, and :meth:`AsyncConsumer.health` (safe from any thread).
 * ``await stop(timeout)``: no fetch starts; in-flight work may finish until
   ``timeout``; then every message still unsettled is handed back to the broker and the
   handler tasks still running are cancelled and awaited. When it returns no handler of
   this consumer runs again and every task it started has ended.
+* ``await aclose()`` (or the end of ``async with``): the stop, then the consumer is
+  closed for good (``ClosedError`` on a later start); the broker and the checkers it was
+  given stay open for whoever made them.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import contextvars
 import inspect
 import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
@@ -62,32 +72,36 @@ from msgpatterns.errors import (
     describe,
     seconds,
 )
-from msgpatterns.idempotency.batch import BatchGuard, Entry, guard_of
+from msgpatterns.idempotency.batch import BatchGuard, guard_of
 from msgpatterns.message import Message
+from msgpatterns.observability import stats as _obs
+from msgpatterns.observability.stats import DeliveryScope, Health
 from msgpatterns.retry import RetryPolicy
+from msgpatterns.runtime.async_batches import AsyncBatches
 from msgpatterns.runtime.async_flow import AsyncFlow
+from msgpatterns.runtime.async_rounds import AsyncRounds
 from msgpatterns.runtime.async_settling import AsyncSettling
 from msgpatterns.runtime.clock import LoopTimer, VirtualClock
 from msgpatterns.runtime.driver import DriverBase, ack_deadline_passed
 from msgpatterns.runtime.gate import KeyGate
+from msgpatterns.runtime.health import health_snapshot, on_loop
 from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
-from msgpatterns.runtime.rounds import Claimed, Completions, Round
-from msgpatterns.runtime.stats import ConsumerStats, Reporter
+from msgpatterns.runtime.options import check_batch
+from msgpatterns.runtime.rounds import Claimed
+from msgpatterns.runtime.stats import ConsumerStats
 
-__all__ = ["AsyncConsumer", "AsyncHandler"]
+__all__ = ["AsyncBatchHandler", "AsyncConsumer", "AsyncHandler"]
 
 log = logging.getLogger("msgpatterns.aio.consumer")
 
 AsyncHandler = Callable[[Message], Any]
+#: A batch handler (``AsyncConsumer(..., batch=True)``): awaited with a list of messages.
+AsyncBatchHandler = Callable[[list[Message]], Any]
 
 #: The AsyncConsumer whose handler task this is (stop() there only requests the stop).
 _own_task: contextvars.ContextVar[AsyncConsumer | None] = contextvars.ContextVar(
     "msgpatterns_async_consumer", default=None)
-
-def _no_count(counts: object, message: object) -> None:
-    """The asyncio driver reports no counts to a telemetry listener (yet)."""
-
 
 class AsyncConsumer(DriverBase):
     """Runs ``await handler(message)`` for every message of ``topics`` in ``group``.
@@ -96,6 +110,7 @@ class AsyncConsumer(DriverBase):
         broker: an :class:`~msgpatterns.aio.base.AsyncBroker`.
         handler: an ``async def handler(message)``; return to ack, raise to fail. A
             sync callable is refused with ``TypeError`` (use :class:`~msgpatterns.Consumer`).
+            With ``batch=True``: ``async def handler(messages)``, see below.
         topics: topics (streams, queues) to consume.
         group: consumer group.
         max_in_flight: most messages held at once, and so most handlers running.
@@ -110,16 +125,42 @@ class AsyncConsumer(DriverBase):
             ``put`` runs in a worker thread).
         poll_timeout: longest a fetch waits (bounds ``stop`` latency); positive.
         shutdown_timeout: how long ``run()`` lets in-flight work finish on SIGTERM.
-        fetch_batch: most messages one fetch asks for.
+        fetch_batch: most messages one fetch asks for (and the largest batch a batch
+            handler receives).
         name: for logs.
+        batch: the handler is a batch handler, with :class:`~msgpatterns.Consumer`'s
+            semantics: it is awaited with a list of up to ``fetch_batch`` ready
+            messages and every message is still settled on its own - returning acks
+            every message it did not settle itself, raising fails every one,
+            :class:`~msgpatterns.errors.PartialFailure` fails only those it names,
+            ``message.ack(error)`` / ``message.disable_auto_ack()`` work per message;
+            each failed message goes through the retry policy alone. An
+            ``@idempotent`` batch handler on a lease checker has the keys of each
+            batch claimed in one round trip and receives only the claimed messages.
+            Not with ``ordered=True`` (ConfigurationError).
+
+    Telemetry and health are the :class:`~msgpatterns.Consumer`'s: the same counts
+    reported to the telemetry listener (``msgpatterns.consumer.fetched`` ...), one
+    CONSUMER span per delivery attempt (opened in the worker task that runs the
+    handler: it is the current span inside the handler), and :meth:`health` for
+    :class:`~msgpatterns.observability.HealthServer`.
+
+    ``async with AsyncConsumer(...) as consumer:`` starts it and, at the block's end,
+    closes it (:meth:`aclose`: the stop with ``shutdown_timeout``); the broker stays
+    the caller's, so ``async with broker, AsyncConsumer(broker, ...):`` closes both,
+    the consumer first. The sync twin is :class:`~msgpatterns.Consumer`.
     """
+
+    #: Seconds :meth:`health`, called from another thread, waits for the event loop to
+    #: take the snapshot; a loop that does not answer in time is reported not running.
+    health_timeout: float = 1.0
 
     broker: AsyncBroker
 
     def __init__(
         self,
         broker: AsyncBroker,
-        handler: AsyncHandler,
+        handler: AsyncHandler | AsyncBatchHandler,
         *,
         topics: Sequence[str],
         group: str,
@@ -133,6 +174,7 @@ class AsyncConsumer(DriverBase):
         shutdown_timeout: float | timedelta | None = 30.0,
         fetch_batch: int = 64,
         name: str | None = None,
+        batch: bool = False,
     ) -> None:
         if not isinstance(broker, AsyncBroker) or not inspect.iscoroutinefunction(
                 getattr(broker, "fetch", None)):
@@ -152,15 +194,16 @@ class AsyncConsumer(DriverBase):
             poll_timeout=poll_timeout, shutdown_timeout=shutdown_timeout,
             fetch_batch=fetch_batch, name=name, default_name=f"msgpatterns-async-{group}",
             counts={}, log=log)
-        self.handler = handler
+        check_batch("AsyncConsumer", batch=batch, ordered=ordered)
+        self.handler: Callable[[Any], Any] = handler
+        self.batch = batch
         self._async_decoder = decoder is not None and is_async_callable(decoder)
         #: The batch claims of an async @idempotent handler on a lease checker (None:
         #: plain, or one transaction per message).
-        self._guard: BatchGuard | None = guard_of(handler)
+        self._guard: BatchGuard | None = guard_of(handler, batch=batch)
+        guard = self._guard
         #: A RetryPolicy whose decide() is overridden sees every success too.
         self._plain_decide = type(self.retry).decide is RetryPolicy.decide
-        #: The claims of batch-claimed handlers that returned, being completed.
-        self._completions = Completions()
         #: Fewest free slots for which a worker fetches itself (see _top_up).
         self._top_up_min = max(1, min(fetch_batch, max_in_flight) // 4)
 
@@ -173,13 +216,28 @@ class AsyncConsumer(DriverBase):
         self._stop_requested: asyncio.Event | None = None
         self._stopping: asyncio.Lock | None = None
         self._until_idle = False
+        self._last_fetch: tuple[float, bool] | None = None  # (time.time(), succeeded)
         #: The slots, the ready queue, the retry scheduler and the wake-ups.
         self._flow = AsyncFlow(self.stats, VirtualClock(None, broker.now))
         #: Where deliveries report their outcome (settler -> broker -> freed slot).
         self._settling = AsyncSettling(
             broker=broker, settler=self._settler, flow=self._flow,
-            dead_letters=dead_letters, reporter=Reporter(self), log=log)
+            dead_letters=dead_letters, reporter=self._reporter, log=log)
         self._settler.rebind = self._settling.on_settled
+        #: The claim rounds of an @idempotent handler on a lease checker (a batch
+        #: handler uses only their sink of claimed deliveries).
+        rounds = None if guard is None else AsyncRounds(
+            guard, flow=self._flow, settling=self._settling, finishing=self._finishing,
+            settle_unrun=self._settle_unrun, log=log, start_scope=self._start_scope)
+        self._rounds = None if batch else rounds
+        self._unwatch: Callable[[], None] | None = None
+        #: The runs of a batch handler (None: a per-message handler).
+        self._batches = AsyncBatches(
+            handler=cast(AsyncBatchHandler, handler), guard=self._guard,
+            claimed_settled=None if rounds is None else rounds.claimed_settled,
+            settling=self._settling, flow=self._flow,
+            finishing=self._finishing, intake=self._intake, settle_unrun=self._settle_unrun,
+            start_scope=self._start_scope, log=log, name=self.name) if batch else None
 
     @property
     def _state(self) -> State:
@@ -193,7 +251,9 @@ class AsyncConsumer(DriverBase):
     # -- lifecycle ------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start fetching on the running loop and return."""
+        """Start fetching on the running loop and return. Raises
+        :class:`~msgpatterns.errors.ClosedError` after :meth:`aclose`."""
+        self._check_open()
         if self._state is State.RUNNING:
             return
         if self._state is State.STOPPING:
@@ -207,17 +267,25 @@ class AsyncConsumer(DriverBase):
         self._deadlines = (
             DeadlineTracker(self._timer, self.ack_timeout, partial(
                 ack_deadline_passed, ack_timeout=self.ack_timeout,
-                handler_name=self.handler_name, stats=self.stats, count=_no_count,
-                log=log, settler=self._settler))
+                handler_name=self.handler_name, stats=self.stats,
+                count=self._reporter.count, log=log, settler=self._settler))
             if self.ack_timeout > 0 else None)
-        self._settling.reset(loop, self._deadlines,
-                             plain_acks=gate is None and self._plain_decide)
+        self._settling.reset(loop, self._deadlines)
+        self._choose_paths()
+        self._unwatch = _obs.watch_listener(self._choose_paths)
         self._state = State.RUNNING
         # One long-lived worker per slot: never more handlers run than messages held.
         self._workers = [asyncio.create_task(self._work(), name=f"{self.name}-worker-{i}")
                          for i in range(self.max_in_flight)]
         self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"{self.name}-fetch")
         self._fetcher.add_done_callback(self._fetcher_ended)
+
+    def _choose_paths(self) -> None:
+        """The one hot-path switch, at start and whenever the telemetry listener
+        changes: with no key gate, no overridden decide and no listener, a handler's
+        success is a plain broker ack and a freed slot, settled by its worker
+        (:meth:`AsyncSettling.choose`). Nothing per message tests it again."""
+        self._settling.choose(plain_acks=not self.ordered and self._plain_decide)
 
     def _fetcher_ended(self, task: asyncio.Task[None]) -> None:
         """A fetch loop that died of a bug stops the consumer (run() returns, what is
@@ -260,11 +328,15 @@ class AsyncConsumer(DriverBase):
         flow = self._flow
         self._state = State.STOPPING
         flow.notify()
+        # In-flight work gets ``limit`` from the call, as with the thread driver,
+        # however long the fetch in progress takes to come back.
+        give_up = None if limit is None else time.monotonic() + limit
         fetcher = self._fetcher
         if fetcher is not None:
             await asyncio.wait([fetcher])  # bounded by poll_timeout; hands back its fetch
+        left = None if give_up is None else max(0.0, give_up - time.monotonic())
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._drained(), limit)
+            await asyncio.wait_for(self._drained(), left)
         leftovers = list(flow.slots.held)
         flow.scheduler.clear()
         for message in leftovers:
@@ -281,6 +353,9 @@ class AsyncConsumer(DriverBase):
         if self._timer is not None:
             self._timer.stop()
         flow.scheduler.clear()
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
         assert self._stop_requested is not None
         self._stop_requested.set()
         return not leftovers
@@ -327,6 +402,7 @@ class AsyncConsumer(DriverBase):
         consumer is then stopped; unsettled messages go back to the broker).
         """
         limit = seconds(timeout)
+        self._check_open()
         self._until_idle = True
         await self.start()
         assert self._stop_requested is not None
@@ -340,17 +416,55 @@ class AsyncConsumer(DriverBase):
         await self.stop(self.shutdown_timeout)
         return self.stats
 
+    async def aclose(self) -> None:
+        """Stop (``stop(shutdown_timeout)``), then close what the consumer owns; it never
+        starts again (:meth:`start`, :meth:`run`, :meth:`run_until_idle` raise
+        :class:`~msgpatterns.errors.ClosedError`). Idempotent. What it owns is what it
+        started - its tasks and timers; the broker, the checkers and a ``dead_letters``
+        store it was given stay open for whoever made them (see
+        :meth:`Consumer.close <msgpatterns.Consumer.close>`)."""
+        self._closed = True
+        await self.stop(self.shutdown_timeout)
+
     async def __aenter__(self) -> AsyncConsumer:
+        """Start the consumer (:meth:`start`); the block's end closes it (:meth:`aclose`)."""
         await self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.stop(self.shutdown_timeout)
+        await self.aclose()
 
     @property
     def in_flight(self) -> int:
         """Messages fetched and not yet settled."""
         return len(self._flow.slots)
+
+    def health(self) -> Health:
+        """A snapshot of this consumer's health, of the same shape as
+        :meth:`Consumer.health() <msgpatterns.Consumer.health>` (cheap: no broker call
+        unless the broker has a ``connected`` property).
+
+        Safe from any thread. The consumer's state lives on its event loop: called on
+        that loop (or while the consumer is not running) the snapshot is taken at
+        once; called from another thread (as
+        :class:`~msgpatterns.observability.HealthServer` calls it) it is taken on the
+        loop (``call_soon_threadsafe``) while the caller waits up to
+        :attr:`health_timeout` seconds. A loop that does not answer in time (a
+        handler blocking it, the loop stopped) is reported not running: ``running``
+        (so ``live``) is False, the other figures are read as they stand."""
+        loop = None if self._state in (State.NEW, State.STOPPED) else self._loop
+        health = on_loop(loop, self._health_now, self.health_timeout)
+        return self._health_now(loop_answered=False) if health is None else health
+
+    def _health_now(self, *, loop_answered: bool = True) -> Health:
+        flow = self._flow
+        held_since = list(flow.slots.held.values())
+        fetcher = self._fetcher
+        alive = (loop_answered and fetcher is not None and not fetcher.done()
+                 and all(not task.done() for task in self._workers))
+        return health_snapshot(name=self.name, state=self._state, alive=alive,
+                               held_since=held_since, in_flight=len(held_since),
+                               last_fetch=self._last_fetch, broker=self.broker)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("%s: signal %s, shutting down", self.name, sig.name)
@@ -406,6 +520,7 @@ class AsyncConsumer(DriverBase):
         for message in messages:
             message.delivery.bind(sink)
         self._flow.admit(messages, taker=taker)
+        self._reporter.count({"fetched": len(messages)})
 
     def _may_top_up(self) -> bool:
         """Running, and enough slots free for a worker's own fetch."""
@@ -434,16 +549,21 @@ class AsyncConsumer(DriverBase):
 
     async def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
-            return await self.broker.fetch(
+            messages: list[Message] = await self.broker.fetch(
                 self.topics, self.group, max_messages=count,
                 timeout=self.poll_timeout if timeout is None else timeout)
+            self._last_fetch = (time.time(), True)
+            return messages
         except BrokerClosed:
+            self._last_fetch = (time.time(), False)
             if self._state is State.RUNNING:
                 log.error("%s: the broker was closed while consuming; stopping", self.name)
                 self._request_stop()
             return []
         except Exception:
+            self._last_fetch = (time.time(), False)
             self.stats.broker_errors += 1
+            self._reporter.count({"broker_errors": 1})
             log.exception("%s: fetch failed; retrying", self.name)
             await asyncio.sleep(min(self.poll_timeout, 1.0))
             return []
@@ -454,8 +574,8 @@ class AsyncConsumer(DriverBase):
         when progress became possible."""
         flow = self._flow
         moved = jump_or_none(self.broker, self.topics, self.group, flow.scheduler,
-                             can_fetch=can_fetch, stats=self.stats, count=self._count,
-                             log=log, name=self.name)
+                             can_fetch=can_fetch, stats=self.stats,
+                             count=self._reporter.count, log=log, name=self.name)
         if moved is None:
             return False
         fetchable, due = moved
@@ -476,7 +596,7 @@ class AsyncConsumer(DriverBase):
         flow, settling, finishing = self._flow, self._settling, self._finishing
         ready = flow.ready
         handler = self.handler if self.decoder is None else self._decode_and_call
-        deadlines, guard = self._deadlines, self._guard
+        deadlines, rounds, batches = self._deadlines, self._rounds, self._batches
         while True:
             if not ready and not flow.fetching and self._may_top_up():
                 finishing.add(me)  # a fetch is not cancelled: what it brings is handed back
@@ -487,23 +607,33 @@ class AsyncConsumer(DriverBase):
             item = ready.popleft() if ready else await flow.next()
             if item is None or self._state is State.STOPPED:
                 return
-            if guard is not None:
-                await self._batched(guard, item, me)
+            if batches is not None:  # no claimed items in the queue: only messages
+                await batches.run(self._take_ready(cast(Message, item)), me)
+                continue
+            if rounds is not None:
+                await rounds.item(item, self._take_round)
                 continue
             message = cast(Message, item)
             if message.acked:
                 continue  # handed back by stop() before it could run
             if deadlines is not None:
                 deadlines.track(message)
+            listener = _obs.listener
+            scope = None if listener is None else self._start_scope(listener, message)
             error: BaseException | None = None
             try:
                 await handler(message)
             except asyncio.CancelledError as exc:
                 if flow.state is State.STOPPED:
+                    if scope is not None:
+                        _obs.report(scope.close)
                     raise  # stop() cancelled it; its message was handed back
                 error = exc  # the handler's own cancellation fails the message
             except BaseException as exc:  # SystemExit & co fail the message, not the loop
                 error = exc
+            if scope is not None:
+                await self._settle_observed(message, error, scope, me)
+                continue
             if error is None and settling.quick_ack(message):
                 # The hot path: a success settled here, without the delivery's sink.
                 finishing.add(me)
@@ -519,6 +649,25 @@ class AsyncConsumer(DriverBase):
                     await settling.settle(message, outcome[0])
                 finally:
                     finishing.discard(me)
+
+    async def _settle_observed(self, message: Message, error: BaseException | None,
+                               scope: DeliveryScope, me: asyncio.Task[Any] | None) -> None:
+        """Settle a run whose telemetry scope is open (the settlement runs inside the
+        delivery's trace context, as with the thread driver), then close the scope;
+        ``me``: the worker, marked finishing meanwhile (a stop lets it end)."""
+        _obs.report(scope.handler_returned, error)
+        try:
+            outcome = self._settling.finish(message, error)
+            if outcome is not None:
+                if me is not None:
+                    self._finishing.add(me)
+                try:
+                    await self._settling.settle(message, outcome[0])
+                finally:
+                    if me is not None:
+                        self._finishing.discard(me)
+        finally:
+            _obs.report(scope.close)
 
     async def _decode_and_call(self, message: Message) -> None:
         malformed = await self._decode(message)
@@ -542,21 +691,10 @@ class AsyncConsumer(DriverBase):
 
     # -- batch claims of an async @idempotent handler ---------------------------------
 
-    async def _batched(self, guard: BatchGuard, item: Message | Claimed,
-                       me: asyncio.Task[Any]) -> None:
-        """A worker's item when the handler's keys are claimed per batch: a claimed
-        message of a round (run it), or a ready message (it and the ready messages
-        after it make a new round: one claim round trip)."""
-        try:
-            if isinstance(item, Claimed):
-                await self._run_claimed(item.guard, item.batch, item.entry, me)
-            else:
-                await self._claim_round(guard, await self._intake(self._take_ready(item)),
-                                        me)
-        except asyncio.CancelledError:
-            raise
-        except BaseException:  # the worker survives whatever happens
-            log.exception("%s: running a batch failed", self.name)
+    async def _take_round(self, first: Message) -> list[Message]:
+        """A new claim round: ``first`` and the ready messages after it, the deadlines
+        started and the bodies decoded (see :meth:`_take_ready`, :meth:`_intake`)."""
+        return await self._intake(self._take_ready(first))
 
     def _take_ready(self, first: Message) -> list[Message]:
         """``first`` and the ready messages after it (not claimed ones), up to
@@ -587,143 +725,12 @@ class AsyncConsumer(DriverBase):
 
     async def _settle_unrun(self, message: Message, error: BaseException | None) -> None:
         """Settle a message whose handler does not run (a duplicate: success; a key in
-        progress, a missing key, a malformed body: ``error``)."""
+        progress, a missing key, a malformed body: ``error``), observed like a run."""
+        listener = _obs.listener
+        scope = None if listener is None else self._start_scope(listener, message)
+        if scope is not None:
+            await self._settle_observed(message, error, scope, None)
+            return
         outcome = self._settling.finish(message, error)
         if outcome is not None:
             await self._settling.settle(message, outcome[0])
-
-    async def _claim_round(self, guard: BatchGuard, live: list[Message],
-                           me: asyncio.Task[Any]) -> None:
-        """One claim round trip for ``live``; settle those whose handler does not run,
-        share the claimed ones out to the workers (this one runs the first). A claimed
-        message completes or releases its claim before it is settled, whoever settles
-        it (:meth:`AsyncSettling.on_claimed_settled`)."""
-        if not live:
-            return
-        self._finishing.add(me)  # a claim in progress is not cancelled by stop()
-        try:
-            entries = await guard.aprepare(live)
-        finally:
-            self._finishing.discard(me)
-        runs: list[Entry] = []
-        later: list[Message] = []
-        for entry in entries:
-            if entry.later:
-                later.append(entry.message)
-            elif not entry.run:
-                await self._settle_unrun(entry.message, entry.error)
-            else:
-                if entry.claim is not None:
-                    entry.message.delivery.bind(
-                        partial(self._settling.on_claimed_settled, guard, entry))
-                runs.append(entry)
-        if not runs:
-            return
-        batch = Round(len(runs), later, None)
-        if len(runs) > 1:
-            self._flow.push_claimed([Claimed(guard, batch, entry) for entry in runs[1:]])
-        await self._run_claimed(guard, batch, runs[0], me)
-
-    async def _run_claimed(self, guard: BatchGuard, batch: Round, entry: Entry,
-                           me: asyncio.Task[Any]) -> None:
-        """Run one claimed message's handler and finish its claim as it ends: released
-        if it raised (or was cancelled by stop()), completed (with the claims of the
-        handlers that returned with it) if it returned - never held for the rest of its
-        round."""
-        message = entry.message
-        if not guard.begin(entry):  # settled before it ran: its claim was released then
-            await self._round_ended(guard, batch, me)
-            return
-        if message.acked:  # handed back or expired before it ran: free its key
-            await self._finish_claim(guard, entry, me, returned=False)
-            await self._round_ended(guard, batch, me)
-            return
-        error: BaseException | None = None
-        try:
-            entry.result = await guard.handler(message)
-        except asyncio.CancelledError as exc:
-            if self._flow.state is State.STOPPED:
-                # stop() cancelled it (its message was handed back): its key is free
-                await self._finish_claim(guard, entry, me, returned=False)
-                raise
-            error = exc
-        except BaseException as exc:  # SystemExit & co fail the message, not the loop
-            error = exc
-        if error is None and message.auto_ack:
-            if self._completions.add(Claimed(guard, batch, entry)):
-                await self._complete_returned(me)
-            return  # its round is told once its claim is written
-        if error is None:  # awaiting its explicit ack: its claim is finished then
-            if guard.end(entry):  # ... or now, when that came during the run
-                await self._finish_claim(guard, entry, me,
-                                         returned=message.ack_error is None)
-        else:
-            await self._finish_claim(guard, entry, me, returned=False)
-            message.delivery.bind(self._settling.on_settled)  # nothing left to finish
-            outcome = self._settling.finish(message, error)
-            if outcome is not None:
-                self._finishing.add(me)
-                try:
-                    await self._settling.settle(message, outcome[0])
-                finally:
-                    self._finishing.discard(me)
-        await self._round_ended(guard, batch, me)
-
-    async def _finish_claim(self, guard: BatchGuard, entry: Entry, me: asyncio.Task[Any],
-                            *, returned: bool) -> None:
-        """Complete (``returned``) or release one message's claim (if still open); not
-        cancelled by stop() once begun."""
-        self._finishing.add(me)
-        try:
-            if returned:
-                await guard.afinish((entry,), ())
-            else:
-                await guard.afinish((), (entry,))
-        except Exception:  # a closed checker...: settle anyway
-            log.exception("%s: finishing the idempotency claim of %s failed", self.name,
-                          entry.message.id, extra=self._settler.extra(entry.message))
-        finally:
-            self._finishing.discard(me)
-
-    async def _complete_returned(self, me: asyncio.Task[Any]) -> None:
-        """The writer of :class:`~msgpatterns.runtime.rounds.Completions`: complete the
-        claims of the handlers that returned (one round trip for all queued: those that
-        returned in this turn of the loop, or during the last round trip), then ack
-        their messages (DONE before ack); again until none is queued. Then the rounds
-        all of whose claims are finished prepare the messages they held back."""
-        ended: list[Claimed] = []
-        self._finishing.add(me)  # a completion under way is not cancelled by stop()
-        try:
-            await asyncio.sleep(0)  # the handlers returning in this turn join in
-            while claimed := self._completions.take():
-                try:
-                    await claimed[0].guard.afinish([c.entry for c in claimed], ())
-                except Exception:  # a closed checker...: the effects happened; ack anyway
-                    log.exception("%s: completing %d idempotency claims failed",
-                                  self.name, len(claimed))
-                try:
-                    await self._settling.ack_all([c.entry.message for c in claimed])
-                except Exception:  # the worker goes on writing what is queued
-                    log.exception("%s: acking %d messages failed", self.name,
-                                  len(claimed))
-                ended.extend(c for c in claimed if c.batch.ended())
-        except BaseException:  # the process dies: what it took is not acked (the
-            self._completions.abandon()  # lease window); the next writer takes the rest
-            raise
-        finally:
-            self._finishing.discard(me)
-        for last in ended:
-            await self._round_later(last.guard, last.batch, me)
-
-    async def _round_ended(self, guard: BatchGuard, batch: Round,
-                           me: asyncio.Task[Any]) -> None:
-        if batch.ended():
-            await self._round_later(guard, batch, me)
-
-    async def _round_later(self, guard: BatchGuard, batch: Round,
-                           me: asyncio.Task[Any]) -> None:
-        """Every claim of ``batch`` is finished: the repeats of keys it held are
-        duplicates now (or run, if the first copy failed)."""
-        if batch.later:
-            await self._claim_round(guard, [m for m in batch.later if not m.acked], me)
-

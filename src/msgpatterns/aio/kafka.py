@@ -1,50 +1,21 @@
-"""The asyncio Kafka adapters: :class:`ThreadedAsyncKafkaBroker` (here) and
-:class:`~msgpatterns.aio.kafka_native.AIOKafkaBroker` (aiokafka); ``AsyncKafkaBroker``
-is the default of the two: the aiokafka one, faster in ``benchmarks/bench_async_kafka.py``
-with the same conformance suite green (docs/asyncio.md).
-
-:class:`ThreadedAsyncKafkaBroker` is the sync :class:`~msgpatterns.brokers.KafkaBroker`
-(confluent-kafka) run in worker threads - the mechanism of confluent-kafka's own asyncio API
-(``confluent_kafka.aio``, which runs the sync client in an executor) - so the topics
-(``T``, ``T.retry``, ``T.DLT``), the wire format, the offset tracking (never commit
-past an unsettled record), the due-time pausing of retry partitions, rebalance handling
-and every other guarantee are the sync adapter's, in one place. A message retried by
-one is read by the other.
-
-The constructor connects like the sync one (it may block up to ``connect_timeout``):
-build it before the loop starts, or with ``await asyncio.to_thread(AsyncKafkaBroker,
-...)``.
-"""
+"""Moved to :mod:`msgpatterns.brokers.kafka.aio_threaded`; this module re-exports it so
+that old imports work (``AsyncKafkaBroker`` too: :mod:`msgpatterns.brokers.kafka.aio`,
+loaded on first use)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from msgpatterns._callables import renamed_arguments
-from msgpatterns.aio.threaded import ThreadedAsyncBroker
-from msgpatterns.brokers.kafka import KafkaBroker
+from msgpatterns.brokers.kafka.aio_threaded import ThreadedAsyncKafkaBroker
 
 __all__ = ["ThreadedAsyncKafkaBroker"]
-
-
-class ThreadedAsyncKafkaBroker(ThreadedAsyncBroker):
-    """``ThreadedAsyncKafkaBroker(url, **options)``: the options of
-    :class:`~msgpatterns.brokers.KafkaBroker`; :attr:`sync` is that broker (its
-    dead-letter admin, ``commit``, ...)."""
-
-    sync: KafkaBroker
-
-    @renamed_arguments(bootstrap_or_config="url")
-    def __init__(self, url: str | Mapping[str, Any], **options: Any) -> None:
-        super().__init__(KafkaBroker(url, **options))
 
 
 def __getattr__(name: str) -> Any:
     # ``AsyncKafkaBroker`` (the default adapter) is the aiokafka one since it passed the
     # same conformance suite and measured faster; imported from here for compatibility.
     if name == "AsyncKafkaBroker":
-        from msgpatterns.aio.kafka_native import AsyncKafkaBroker
+        from msgpatterns.brokers.kafka.aio import AsyncKafkaBroker
 
         return AsyncKafkaBroker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,10 +17,10 @@ bridge): ``postgresql+psycopg://`` (psycopg 3 serves both), ``sqlite+aiosqlite:/
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from msgpatterns._extras import require
-from msgpatterns.errors import ConfigurationError
+from msgpatterns.errors import ClosedError, ConfigurationError
 from msgpatterns.ordering.version_guard import ColumnRef, VersionGuard
 
 require("sqlalchemy", "sql")
@@ -79,6 +79,10 @@ class AsyncVersionGuard:
 
     ``upsert_latest_many`` always takes the executemany path here: the COPY path of
     PostgreSQL needs psycopg's sync connection.
+
+    ``async with guard:`` closes it at the block's end (:meth:`aclose`); afterwards
+    every method raises :class:`~msgpatterns.errors.ClosedError` before touching
+    ``conn``.
     """
 
     def __init__(
@@ -90,15 +94,40 @@ class AsyncVersionGuard:
     def table(self) -> Table:
         return self.sync.table
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` (or the sync guard's ``close()``) was called."""
+        return self.sync.closed
+
+    async def aclose(self) -> None:
+        """Close the guard (and :attr:`sync`, the same guard); afterwards every method
+        raises :class:`~msgpatterns.errors.ClosedError`. Idempotent; the connections
+        and engines the calls were given stay open."""
+        self.sync.close()
+
+    async def __aenter__(self) -> Self:
+        """``async with guard:`` - the block's end awaits :meth:`aclose`."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _open(self, what: str) -> VersionGuard:
+        """The sync guard, or ClosedError before any I/O once closed."""
+        if self.sync.closed:
+            raise ClosedError(f"AsyncVersionGuard.{what}: the guard of "
+                              f"{self.sync.table.name!r} is closed")
+        return self.sync
+
     async def read(self, conn: AsyncBind, key: Any) -> RowMapping | None:
         """See :meth:`VersionGuard.read <msgpatterns.ordering.VersionGuard.read>`."""
-        return await run_on(conn, "AsyncVersionGuard.read", self.sync.read, key)
+        return await run_on(conn, "AsyncVersionGuard.read", self._open("read").read, key)
 
     async def stored_version(self, conn: AsyncBind, key: Any) -> Any:
         """See :meth:`VersionGuard.stored_version
         <msgpatterns.ordering.VersionGuard.stored_version>`."""
         return await run_on(conn, "AsyncVersionGuard.stored_version",
-                            self.sync.stored_version, key)
+                            self._open("stored_version").stored_version, key)
 
     async def compare_and_set(
         self, conn: AsyncBind, key: Any, expected: Any, new: Any,
@@ -107,7 +136,8 @@ class AsyncVersionGuard:
         """See :meth:`VersionGuard.compare_and_set
         <msgpatterns.ordering.VersionGuard.compare_and_set>`."""
         return await run_on(conn, "AsyncVersionGuard.compare_and_set",
-                            self.sync.compare_and_set, key, expected, new, values)
+                            self._open("compare_and_set").compare_and_set, key, expected,
+                            new, values)
 
     async def apply(
         self, conn: AsyncBind, key: Any, expected: Any, new: Any,
@@ -115,7 +145,7 @@ class AsyncVersionGuard:
     ) -> bool:
         """See :meth:`VersionGuard.apply <msgpatterns.ordering.VersionGuard.apply>`."""
         return await run_on(conn, "AsyncVersionGuard.apply",
-                            self.sync.apply, key, expected, new, values)
+                            self._open("apply").apply, key, expected, new, values)
 
     async def upsert_latest(
         self, conn: AsyncBind, key: Any, version: Any, values: Mapping[str, Any] | None = None,
@@ -123,7 +153,7 @@ class AsyncVersionGuard:
         """See :meth:`VersionGuard.upsert_latest
         <msgpatterns.ordering.VersionGuard.upsert_latest>`."""
         return await run_on(conn, "AsyncVersionGuard.upsert_latest",
-                            self.sync.upsert_latest, key, version, values)
+                            self._open("upsert_latest").upsert_latest, key, version, values)
 
     async def upsert_latest_many(
         self, conn: AsyncBind, rows: Iterable[Mapping[str, Any]]
@@ -131,7 +161,7 @@ class AsyncVersionGuard:
         """See :meth:`VersionGuard.upsert_latest_many
         <msgpatterns.ordering.VersionGuard.upsert_latest_many>` (executemany path)."""
         return await run_on(conn, "AsyncVersionGuard.upsert_latest_many",
-                            self.sync.upsert_latest_many, rows)
+                            self._open("upsert_latest_many").upsert_latest_many, rows)
 
     def __repr__(self) -> str:
         return f"<AsyncVersionGuard {self.sync.table.name!r}>"

@@ -11,15 +11,16 @@ from typing import Generic, TypeVar
 from msgpatterns._callables import require_sync_callable
 from msgpatterns.batching.core import BatchPolicy, BatchQueue, ErrorHook, count
 from msgpatterns.batching.flusher import WithFlushInterval, interval_seconds
-from msgpatterns.errors import ConfigurationError
+from msgpatterns.errors import InvalidChannel
 
 __all__ = ["Group", "MultipleQueueFlusher", "RoutePolicy", "RouteError"]
 
 T = TypeVar("T")
 
-
-class RouteError(ConfigurationError):
-    """``route(item)`` did not return a channel index in ``range(channels)``."""
+#: ``route(item)`` did not return a channel index in ``range(channels)``: the name
+#: this error has here (:class:`~msgpatterns.errors.InvalidChannel` in ``errors``,
+#: where ``RouteError`` is the ordered topics' route error).
+RouteError = InvalidChannel
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,10 @@
 """Broker adapters. ``InMemoryBroker`` needs nothing; the others load their client
-library on first use (extras ``[redis]``, ``[rabbitmq]``, ``[kafka]``, ``[nats]``)."""
+library on first use (extras ``[redis]``, ``[rabbitmq]``, ``[kafka]``, ``[nats]``).
+
+Each broker is a package of its own (``msgpatterns.brokers.redis``, ``.rabbitmq``,
+``.kafka``, ``.nats``, ``.memory``: the wire core, the sync and asyncio adapters, the
+dead-letter admin, the raw loop); what they share lives here (``codec``, ``base``,
+``admin.base``, ``loop``, ``threaded``)."""
 
 from __future__ import annotations
 
@@ -9,13 +14,13 @@ from msgpatterns._extras import lazy_attributes
 from msgpatterns.brokers._batch import Outgoing, PartialPublish
 from msgpatterns.brokers.admin import DeadLetterAdmin
 from msgpatterns.brokers.base import Broker, SupportsVirtualTime
-from msgpatterns.brokers.memory import InMemoryBroker, VirtualClock
+from msgpatterns.brokers.memory.broker import InMemoryBroker, VirtualClock
 
 if TYPE_CHECKING:
-    from msgpatterns.brokers.kafka import KafkaBroker
-    from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
-    from msgpatterns.brokers.rabbitmq import RabbitMQBroker
-    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+    from msgpatterns.brokers.kafka.broker import KafkaBroker
+    from msgpatterns.brokers.nats.broker import NatsJetStreamBroker
+    from msgpatterns.brokers.rabbitmq.broker import RabbitMQBroker
+    from msgpatterns.brokers.redis.broker import RedisStreamsBroker
 
 __all__ = [
     "Broker",
@@ -32,10 +37,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RedisStreamsBroker": "msgpatterns.brokers.redis_streams",
-    "RabbitMQBroker": "msgpatterns.brokers.rabbitmq",
-    "KafkaBroker": "msgpatterns.brokers.kafka",
-    "NatsJetStreamBroker": "msgpatterns.brokers.nats_jetstream",
+    "RedisStreamsBroker": "msgpatterns.brokers.redis.broker",
+    "RabbitMQBroker": "msgpatterns.brokers.rabbitmq.broker",
+    "KafkaBroker": "msgpatterns.brokers.kafka.broker",
+    "NatsJetStreamBroker": "msgpatterns.brokers.nats.broker",
 }
 
 

@@ -10,6 +10,7 @@ dead-letter admin (``dead_letter_admin()`` plus the ``list_dead_letters`` /
 
 from __future__ import annotations
 
+import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
@@ -22,7 +23,7 @@ from msgpatterns.message import Message
 if TYPE_CHECKING:
     from msgpatterns.brokers.admin.base import DeadLetterAdmin
 
-__all__ = ["BrokerAdapter", "Closable", "topic_list"]
+__all__ = ["BrokerAdapter", "Closable", "admin_for", "topic_list"]
 
 
 def topic_list(topics: str | Sequence[str]) -> list[str]:
@@ -35,6 +36,23 @@ def topic_list(topics: str | Sequence[str]) -> list[str]:
         if not isinstance(topic, str) or not topic:
             raise ConfigurationError(f"a topic must be a non-empty string, got {topic!r}")
     return out
+
+
+def admin_for(factory: str, *args: Any, **kwargs: Any) -> DeadLetterAdmin:
+    """The dead-letter admin ``factory`` (``"module:name"``: the admin's class, or one
+    of its class methods as ``"module:Class.method"``) builds from ``args`` and
+    ``kwargs``.
+
+    An adapter names its admin instead of importing it: the admin is a tool built on
+    the adapter's wire format (its module may import the adapter's), never a part the
+    adapter needs, so nothing circles back at import time and the admin's module loads
+    only when an admin is asked for."""
+    module, _, name = factory.partition(":")
+    build: Any = importlib.import_module(module)
+    for part in name.split("."):
+        build = getattr(build, part)
+    made: DeadLetterAdmin = build(*args, **kwargs)
+    return made
 
 
 class Closable(ABC):

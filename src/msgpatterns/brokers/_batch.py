@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from msgpatterns.errors import BrokerError, ConfigurationError
+from msgpatterns.errors import ConfigurationError, PartialPublish
 
 __all__ = ["Outgoing", "PartialPublish", "outgoing"]
 
@@ -32,19 +32,6 @@ class Outgoing:
     body: Any
     key: str | None = None
     headers: Mapping[str, str] | None = None
-
-
-class PartialPublish(BrokerError):
-    """A batch was not fully confirmed. ``ids[i]`` is item ``i``'s message id if the
-    broker confirmed it, else None; the cause is the first failure."""
-
-    def __init__(self, message: str, ids: list[str | None]) -> None:
-        super().__init__(message)
-        self.ids = ids
-
-    @property
-    def confirmed(self) -> int:
-        return sum(i is not None for i in self.ids)
 
 
 def outgoing(items: Iterable[Any]) -> list[Outgoing]:

@@ -1,4 +1,5 @@
-"""The ``msgpatterns`` command: ``demo``, ``dlq``, ``dedup purge``, ``topic``.
+"""The ``msgpatterns`` command: ``demo``, ``dlq``, ``dedup purge``, ``topic``;
+``msgpatterns --version`` prints the library's version.
 
 The command is application code on top of the library: the library never imports it.
 Each subcommand is a module of this package with ``register(subcommands)``, which adds
@@ -27,6 +28,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from msgpatterns import __version__
 from msgpatterns._escape import escape_control
 from msgpatterns.cli import dedup, demo, dlq, topic
 from msgpatterns.cli._explain import explain, target_of
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="msgpatterns",
         description="Reliable message consumers: demo, dead-letter, dedup and ordered-topic tools.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version of msgpatterns and exit")
     parser.add_argument("--debug", action="store_true",
                         help="on failure show the traceback, and the libraries' logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -164,7 +164,7 @@ def redis_client(url: str) -> Any:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from msgpatterns.brokers.redis_streams import redis_error
+    from msgpatterns.brokers.redis import redis_error
 
     client = redis.Redis.from_url(
         url, socket_connect_timeout=CONNECT_TIMEOUT, socket_timeout=CONNECT_TIMEOUT,
@@ -186,7 +186,7 @@ def kafka_config(url: str) -> dict[str, Any]:
     """librdkafka settings for a ``kafka://host:port`` URL: :data:`CONNECT_TIMEOUT`
     for connections, requests and delivery reports, and librdkafka's log routed to
     logging (silent unless ``--debug``)."""
-    from msgpatterns.brokers._kafka_records import bootstrap_servers
+    from msgpatterns.brokers.kafka import bootstrap_servers
 
     timeout_ms = int(CONNECT_TIMEOUT * 1000)
     return {

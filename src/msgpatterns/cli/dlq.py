@@ -98,7 +98,7 @@ def _redis(url: str) -> Opened:
     retry (:func:`~msgpatterns.cli._options.redis_client`): an unreachable server or a
     refused login fails once, before the adapter (which retries a lost connection) is
     involved."""
-    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+    from msgpatterns.brokers.redis.broker import RedisStreamsBroker
 
     client = redis_client(url)
     try:
@@ -114,8 +114,8 @@ def _rabbitmq(url: str) -> Opened:
     connection, one attempt per connect (the URL's own ``connection_attempts=...``
     etc. win). The admin needs no adapter (no I/O thread): it works on short-lived
     connections of its own."""
-    from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
     from msgpatterns.brokers.rabbitmq import url_parameters
+    from msgpatterns.brokers.rabbitmq.admin import RabbitMQDeadLetters
 
     params = url_parameters(url)  # cafile=... spelled as for both drivers
     given = _query(url)
@@ -130,7 +130,7 @@ def _rabbitmq(url: str) -> Opened:
 def _kafka(url: str) -> Opened:
     """Kafka, with CONNECT_TIMEOUT for connections, requests and delivery reports, and
     librdkafka's log routed to logging (silent unless --debug)."""
-    from msgpatterns.brokers.kafka import KafkaBroker
+    from msgpatterns.brokers.kafka.broker import KafkaBroker
 
     return _opened(KafkaBroker(kafka_config(url), delivery_timeout=CONNECT_TIMEOUT))
 
@@ -138,7 +138,7 @@ def _kafka(url: str) -> Opened:
 def _nats(url: str, tls_ca_file: str | None = None) -> Opened:
     """NATS JetStream, giving up on an unreachable server after CONNECT_TIMEOUT;
     TLS (verified) for ``tls://`` URLs or with ``--tls-ca-file``."""
-    from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
+    from msgpatterns.brokers.nats.broker import NatsJetStreamBroker
 
     return _opened(NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT,
                                        tls_ca_file=tls_ca_file))

@@ -59,21 +59,21 @@ def open_broker(url: str) -> Iterator[Any]:
     with ExitStack() as stack:  # closes in reverse: the broker, then its client
         broker: Any
         if scheme in _REDIS:
-            from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+            from msgpatterns.brokers.redis.broker import RedisStreamsBroker
 
             client = redis_client(url)
             stack.callback(client.close)
             broker = RedisStreamsBroker(client)
         elif scheme.startswith("amqp"):
-            from msgpatterns.brokers.rabbitmq import RabbitMQBroker
+            from msgpatterns.brokers.rabbitmq.broker import RabbitMQBroker
 
             broker = RabbitMQBroker(url, connect_timeout=CONNECT_TIMEOUT)
         elif scheme == "kafka":
-            from msgpatterns.brokers.kafka import KafkaBroker
+            from msgpatterns.brokers.kafka.broker import KafkaBroker
 
             broker = KafkaBroker(kafka_config(url), delivery_timeout=CONNECT_TIMEOUT)
         else:
-            from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
+            from msgpatterns.brokers.nats.broker import NatsJetStreamBroker
 
             broker = NatsJetStreamBroker(url, connect_timeout=CONNECT_TIMEOUT)
         stack.callback(broker.close)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from msgpatterns.brokers.memory import InMemoryBroker
+from msgpatterns.brokers.memory.broker import InMemoryBroker
 from msgpatterns.consumer import Consumer
 from msgpatterns.demo.console import STEPS, Console, DemoResult
 from msgpatterns.errors import MalformedMessage

@@ -184,7 +184,8 @@ def build_sink(tables: Tables, ledger: BatchLedger, checker: SqlChecker,
             result = upsert_latest(good.select("order_id", "status", "version"), tables.url,
                                    tables.orders.name, key="order_id", version="version")
             paid = good.where(F.col("status") == "paid")
-            with dedup_rows(paid, checker_spec, key="event_id", group="payments") as fresh:
+            with dedup_rows(paid, checker_spec, key="event_id", group="payments",
+                            sink_id="demo-payments", batch_id=batch_id) as fresh:
                 # each partition's rows commit with its ledger row: a re-attempted task
                 # or a replayed batch appends nothing twice
                 append_rows(fresh.df.select("event_id", "order_id", "amount_cents"),

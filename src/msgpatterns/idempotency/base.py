@@ -36,9 +36,9 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypedDict, TypeVar, runtime_checkable
 
-from msgpatterns.errors import ConfigurationError, MsgPatternsError, StoreUnavailable, seconds
+from msgpatterns.errors import CheckerClosed, ConfigurationError, StoreUnavailable, seconds
 from msgpatterns.idempotency.guard import (
     ClaimRequest,
     Executed,
@@ -57,6 +57,7 @@ from msgpatterns.idempotency.guard import (
     with_result,
 )
 from msgpatterns.idempotency.keys import KeyBuilder
+from msgpatterns.idempotency.lease_call import lease_call
 from msgpatterns.idempotency.policy import StorePolicy, acall_with_retries, call_with_retries
 from msgpatterns.idempotency.records import Claim, IdempotencyStats
 from msgpatterns.idempotency.results import (
@@ -64,11 +65,11 @@ from msgpatterns.idempotency.results import (
     SignsResults,
     check_max_result_bytes,
 )
+from msgpatterns.idempotency.spec import Checker, CheckerSpec
 from msgpatterns.idempotency.write_behind import AsyncWriteBehind, WriteBehind
 from msgpatterns.observability import stats as _obs
 
 if TYPE_CHECKING:
-    from msgpatterns.idempotency.spec import CheckerSpec
     from msgpatterns.idempotency.store import AsyncStore, Store
 
 __all__ = [
@@ -89,10 +90,6 @@ __all__ = [
 log = logging.getLogger("msgpatterns.idempotency")
 
 R = TypeVar("R")
-
-
-class CheckerClosed(MsgPatternsError):
-    """A checker was used after its ``close()``: every operation raises this at once."""
 
 
 class Closable:
@@ -126,37 +123,6 @@ class _NoResult:
 
 #: ``complete(claim)`` without a result to store (None is a result: JSON ``null``).
 NO_RESULT: Any = _NoResult()
-
-
-@runtime_checkable
-class Checker(Protocol):
-    """What ``@idempotent`` calls on a checker for sync handlers: the guarded call."""
-
-    namespace: str
-    stats: IdempotencyStats
-    #: True when ``execute`` hands the handler a transaction (``tx``).
-    passes_tx: bool
-
-    def store_key(self, key: object, group: str = "") -> str:
-        """The key as stored for ``key`` in ``group``."""
-        ...
-
-    def execute(
-        self, key: object, call: Callable[[Any], R], *, group: str = "",
-        fingerprint: str | None = None, fail_open: bool = False,
-        store_result: bool = False, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-    ) -> Executed[R]:
-        """Run ``call`` at most once per key, following the six rules; with
-        ``store_result`` a duplicate's ``Executed.result`` is the stored result."""
-        ...
-
-    def spec(self) -> CheckerSpec:
-        """A picklable description from which another process rebuilds this checker."""
-        ...
-
-    def close(self) -> None:
-        """Release connections this checker created."""
-        ...
 
 
 @runtime_checkable
@@ -219,8 +185,10 @@ class AsyncOptions(TypedDict, total=False):
     max_key_bytes: int
 
 
-def _options(fail_open: bool, store_result: bool, max_result_bytes: int,
-             result_key: bytes | None = None) -> Options:
+def checker_options(fail_open: bool, store_result: bool, max_result_bytes: int,
+                    result_key: bytes | None = None) -> Options:
+    """A checker's constructor options, checked (``max_result_bytes`` when results are
+    stored)."""
     if store_result:
         check_max_result_bytes(max_result_bytes)
     return Options(fail_open, store_result, max_result_bytes, result_key)
@@ -434,10 +402,11 @@ class LeaseChecker(_LeaseBase):
         raises (after releasing the key). :class:`CheckerClosed` after :meth:`close`.
         """
         self._check_open()
-        steps = lease_steps(self.rules, self.keys.build(key, group), fingerprint,
-                            _options(fail_open, store_result, max_result_bytes,
-                                     self.result_key))
-        return drive(steps, self._perform, call)
+        # lease_steps in direct style (the sync hot path; differential-tested against
+        # drive(lease_steps(...)))
+        return lease_call(self.rules, self._perform, self.keys.build(key, group),
+                          fingerprint, checker_options(fail_open, store_result, max_result_bytes,
+                                                        self.result_key), call)
 
     def purge(self, older_than: float | timedelta | None = None) -> int:  # pragma: no cover
         """Delete records that expired at least ``older_than`` ago; returns how many."""
@@ -509,6 +478,13 @@ class LeaseChecker(_LeaseBase):
         if self._mark_closed():
             self._close()
 
+    def __enter__(self) -> Self:
+        """``with checker:`` - the block's end calls :meth:`close`."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 class AsyncDriver:
     """The async driver of the lease rules: ``aexecute`` awaits the store (``astore``,
@@ -555,7 +531,7 @@ class AsyncDriver:
         raises."""
         self._check_open()
         steps = lease_steps(self.rules, self.keys.build(key, group), fingerprint,
-                            _options(fail_open, store_result, max_result_bytes,
+                            checker_options(fail_open, store_result, max_result_bytes,
                                      self.result_key))
         return await adrive(steps, self._aperform, call)
 
@@ -563,6 +539,46 @@ class AsyncDriver:
         """Write every completion queued by ``write_behind`` (fast mode)."""
         if self._abehind is not None:
             await self._abehind.flush()
+
+    # -- batches of guarded calls: the store steps of AsyncBatchStore ------------------
+
+    async def aclaim_stored(self, store_keys: Sequence[str],
+                            fingerprints: Sequence[str | None]) -> list[Claim]:
+        """:meth:`LeaseChecker.claim_stored`, awaited: rule 1 for many built keys in one
+        ``claim_many`` round trip. Raises :class:`StoreUnavailable` (rule 6 is the
+        caller's)."""
+        if not store_keys:
+            return []
+        self._check_open()
+        claims: list[Claim] = await adrive(claim_many_steps(self.rules, store_keys,
+                                                            fingerprints),
+                                           self._aperform, _no_handler)
+        return claims
+
+    async def acomplete_ran(self, claims: Sequence[Claim]) -> None:
+        """:meth:`LeaseChecker.complete_ran`, awaited: rule 2 for many handlers that
+        returned, one ``complete_many`` (or queued behind with ``write_behind``); a
+        store that stays unreachable is logged, not raised."""
+        if self.write_behind is not None:
+            behind = self._async_behind()
+            claims = [claim for claim in claims if not await behind.add(claim)]
+        await self._awrite(complete_steps, claims, "completing")
+
+    async def arelease_failed(self, claims: Sequence[Claim]) -> None:
+        """:meth:`LeaseChecker.release_failed`, awaited: rule 3 for many handlers that
+        raised, one ``release_many``; a store that stays unreachable is logged."""
+        await self._awrite(release_steps, claims, "releasing")
+
+    async def _awrite(self, steps: Callable[[LeaseRules, Sequence[Claim]], Steps[list[bool]]],
+                      claims: Sequence[Claim], what: str) -> None:
+        if not claims:
+            return
+        try:
+            self._check_open()
+            await adrive(steps(self.rules, claims), self._aperform, _no_handler)
+        except StoreUnavailable as exc:
+            log.error("%s %d idempotency key(s) failed (%s); their leases expire and the "
+                      "messages may run again", what, len(claims), exc)
 
 
 class AsyncLeaseChecker(AsyncDriver, _LeaseBase):
@@ -590,7 +606,8 @@ class AsyncLeaseChecker(AsyncDriver, _LeaseBase):
         if self._mark_closed():
             await self._aclose()
 
-    async def __aenter__(self) -> AsyncLeaseChecker:
+    async def __aenter__(self) -> Self:
+        """``async with checker:`` - the block's end awaits :meth:`aclose`."""
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -38,27 +38,17 @@ its completion, never its batch's.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from msgpatterns.errors import ConfigurationError, StoreUnavailable
-from msgpatterns.idempotency.base import NO_RESULT, AsyncLeaseChecker, LeaseChecker
-from msgpatterns.idempotency.guard import (
-    adrive,
-    claim_many_steps,
-    complete_steps,
-    refuse_unavailable,
-    release_steps,
-    skip_or_raise,
-    with_result,
-)
+from msgpatterns.idempotency.base import NO_RESULT
+from msgpatterns.idempotency.batch_store import AsyncBatchStore, BatchStore, StoreTerms
+from msgpatterns.idempotency.guard import refuse_unavailable, skip_or_raise, with_result
 from msgpatterns.idempotency.records import Claim, Status
 from msgpatterns.message import Message
-
-log = logging.getLogger("msgpatterns.idempotency")
 
 __all__ = ["GUARD_ATTRIBUTE", "BatchGuard", "Entry", "guard_of"]
 
@@ -104,12 +94,17 @@ class BatchGuard:
                  wrapper: Callable[..., Any], group: str, identify: Identify,
                  on_duplicate: Callable[..., Any] | None, fail_open: bool,
                  store_result: bool, max_result_bytes: int) -> None:
+        #: The checker's batch store steps, sync (:class:`BatchStore`: a LeaseChecker,
+        #: MemoryChecker also for ``async def`` handlers) or awaited
+        #: (:class:`AsyncBatchStore`: an AsyncLeaseChecker). None: no batch claims.
+        self._store = checker if isinstance(checker, BatchStore) else None
+        self._astore = None if self._store is not None or not isinstance(
+            checker, AsyncBatchStore) else checker
         #: False for a checker without batch claims (TransactionalSqlChecker, a custom
         #: Checker): its handlers run one message at a time, through the decorator.
-        self.batchable = isinstance(checker, LeaseChecker | AsyncLeaseChecker)
-        #: A LeaseChecker (sync handlers, and MemoryChecker for both) or an
-        #: AsyncLeaseChecker (``async def`` handlers: :meth:`aprepare`, :meth:`afinish`).
-        self.checker: LeaseChecker = checker
+        self.batchable = self._store is not None or self._astore is not None
+        #: The checker (its lease, policy and counters: :class:`StoreTerms`).
+        self.checker: StoreTerms = checker
         self.handler = handler
         self.wrapper = wrapper
         self.group = group
@@ -123,7 +118,14 @@ class BatchGuard:
     @property
     def _result_key(self) -> bytes | None:
         """The checker's ``result_key`` now (it may be set after decorating)."""
-        return getattr(self.checker, "result_key", None)
+        return self.checker.result_key
+
+    def _sync(self) -> BatchStore:
+        store = self._store
+        if store is None:
+            raise TypeError(f"{type(self.checker).__name__} claims in batches only when "
+                            "awaited (aprepare, afinish, asettled)")
+        return store
 
     def prepare(self, messages: Sequence[Message]) -> list[Entry]:
         """One entry per message, in order, after ONE claim round trip for all of them
@@ -131,7 +133,7 @@ class BatchGuard:
         for a message: its error is in its entry."""
         plan = self._plan(messages)
         try:
-            claims = self.checker.claim_stored(plan.keys, plan.prints) if plan.keys else []
+            claims = self._sync().claim_stored(plan.keys, plan.prints) if plan.keys else []
         except Exception as exc:
             return self._refused(plan, exc)
         return self._decide(plan, claims)
@@ -141,7 +143,7 @@ class BatchGuard:
         awaited on the async checker (a MemoryChecker answers in process)."""
         plan = self._plan(messages)
         try:
-            claims = await _aclaim(self.checker, plan.keys, plan.prints)
+            claims = await self._aclaim(plan.keys, plan.prints)
         except Exception as exc:
             return self._refused(plan, exc)
         return self._decide(plan, claims)
@@ -208,8 +210,12 @@ class BatchGuard:
     def begin(self, entry: Entry) -> bool:
         """``entry``'s handler is about to run: True, and from now on its ack deadline
         or a stop no longer finishes the claim (its run does); False when the claim was
-        finished already (its message was settled before it ran: do not run it)."""
+        finished already (its message was settled before it ran: do not run it). An
+        entry that runs without a claim (``fail_open`` with the store unreachable) has
+        nothing to finish: True (the caller still skips a message settled already)."""
         with self._lock:
+            if entry.claim is None and entry.run:
+                return True
             if not entry.open:
                 return False
             entry.running = True
@@ -234,17 +240,17 @@ class BatchGuard:
         if self._take_settled(entry, error, expired):
             done, failed = self._claims_of(*_split(entry, error))
             if done:
-                self.checker.complete_ran(done)
+                self._sync().complete_ran(done)
             if failed:
-                self.checker.release_failed(failed)
+                self._sync().release_failed(failed)
 
     async def asettled(self, entry: Entry, error: BaseException | None, *,
                        expired: bool = False) -> None:
         """:meth:`settled` for an ``async def`` handler, the round trip awaited."""
         if self._take_settled(entry, error, expired):
             done, failed = self._claims_of(*_split(entry, error))
-            await _acomplete(self.checker, done)
-            await _arelease(self.checker, failed)
+            await self._acomplete(done)
+            await self._arelease(failed)
 
     def _take_settled(self, entry: Entry, error: BaseException | None,
                       expired: bool) -> bool:
@@ -269,14 +275,36 @@ class BatchGuard:
         raised (one ``release_many``). Entries finished already are skipped. Never
         raises for a store failure (it is logged: see the module's failure window)."""
         done, failed = self._to_finish(returned, raised)
-        self.checker.complete_ran(done)
-        self.checker.release_failed(failed)
+        store = self._sync()
+        store.complete_ran(done)
+        store.release_failed(failed)
 
     async def afinish(self, returned: Sequence[Entry], raised: Sequence[Entry]) -> None:
         """:meth:`finish` for an ``async def`` handler, the round trips awaited."""
         done, failed = self._to_finish(returned, raised)
-        await _acomplete(self.checker, done)
-        await _arelease(self.checker, failed)
+        await self._acomplete(done)
+        await self._arelease(failed)
+
+    # -- the awaited store steps (a sync BatchStore, MemoryChecker, answers in process) --
+
+    async def _aclaim(self, keys: list[str], prints: list[str | None]) -> list[Claim]:
+        if not keys:
+            return []
+        if self._astore is None:
+            return self._sync().claim_stored(keys, prints)
+        return await self._astore.aclaim_stored(keys, prints)
+
+    async def _acomplete(self, claims: list[Claim]) -> None:
+        if self._astore is None:
+            self._sync().complete_ran(claims)
+        else:
+            await self._astore.acomplete_ran(claims)
+
+    async def _arelease(self, claims: list[Claim]) -> None:
+        if self._astore is None:
+            self._sync().release_failed(claims)
+        else:
+            await self._astore.arelease_failed(claims)
 
     def _to_finish(self, returned: Sequence[Entry],
                    raised: Sequence[Entry]) -> tuple[list[Claim], list[Claim]]:
@@ -345,57 +373,3 @@ class _Plan:
     asked: list[Entry]
     keys: list[str]
     prints: list[str | None]
-
-
-# -- the async checkers' batch I/O (MemoryChecker, in process, answers synchronously) --------
-
-
-def _no_run(tx: Any) -> Any:
-    raise AssertionError("these steps run no handler")
-
-
-async def _aclaim(checker: Any, keys: list[str], prints: list[str | None]) -> list[Claim]:
-    """Rule 1 for many keys in one awaited ``claim_many`` round trip (see
-    :meth:`LeaseChecker.claim_stored`)."""
-    if not keys:
-        return []
-    if isinstance(checker, LeaseChecker):
-        return checker.claim_stored(keys, prints)
-    checker._check_open()
-    claims: list[Claim] = await adrive(claim_many_steps(checker.rules, keys, prints),
-                                       checker._aperform, _no_run)
-    return claims
-
-
-async def _acomplete(checker: Any, claims: list[Claim]) -> None:
-    """Rule 2 for many handlers that returned (see :meth:`LeaseChecker.complete_ran`):
-    one awaited ``complete_many``, or queued behind with ``write_behind``."""
-    if isinstance(checker, LeaseChecker):
-        checker.complete_ran(claims)
-        return
-    if checker.write_behind is not None:
-        behind = checker._async_behind()
-        claims = [claim for claim in claims if not await behind.add(claim)]
-    await _awrite(checker, complete_steps, claims, "completing")
-
-
-async def _arelease(checker: Any, claims: list[Claim]) -> None:
-    """Rule 3 for many handlers that raised: one awaited ``release_many``."""
-    if isinstance(checker, LeaseChecker):
-        checker.release_failed(claims)
-        return
-    await _awrite(checker, release_steps, claims, "releasing")
-
-
-async def _awrite(checker: Any, steps: Callable[..., Any], claims: list[Claim],
-                  what: str) -> None:
-    """One awaited write round trip for ``claims``; a store that stays unreachable is
-    logged, not raised (the leases expire: see the module's failure window)."""
-    if not claims:
-        return
-    try:
-        checker._check_open()
-        await adrive(steps(checker.rules, claims), checker._aperform, _no_run)
-    except StoreUnavailable as exc:
-        log.error("%s %d idempotency key(s) failed (%s); their leases expire and the "
-                  "messages may run again", what, len(claims), exc)

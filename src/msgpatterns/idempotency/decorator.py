@@ -29,7 +29,7 @@ from typing import (
 )
 
 from msgpatterns._callables import is_async_callable, require_sync_callable
-from msgpatterns.errors import ConfigurationError, MalformedMessage
+from msgpatterns.errors import ConfigurationError, MalformedMessage, MissingIdempotencyKey
 from msgpatterns.idempotency.batch import GUARD_ATTRIBUTE, BatchGuard
 from msgpatterns.idempotency.fingerprint import fingerprint_of
 from msgpatterns.idempotency.keys import normalise_key
@@ -47,12 +47,6 @@ __all__ = ["MissingIdempotencyKey", "idempotent"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-class MissingIdempotencyKey(MalformedMessage):
-    """The message has no idempotency key (no key and no id, or the key function gave
-    None or ""). A Reject: dead-lettered with a reason that says how to set one, never
-    guessed and never stored."""
 
 
 def _missing_key(value: object, default_key: bool, args: tuple[Any, ...],

@@ -13,7 +13,10 @@ once; only the I/O differs between a sync and an async checker, and between stor
 Two strategies:
 
 * :func:`lease_steps` - a lease store (memory, Redis, SQL): claim with a lease, run,
-  complete (compare-and-set) or release (compare-and-delete);
+  complete (compare-and-set) or release (compare-and-delete). A sync checker's single
+  guarded call runs its direct-style twin,
+  :func:`~msgpatterns.idempotency.lease_call.lease_call` (the per-call hot path), which
+  a differential test holds to exactly what ``drive(lease_steps(...))`` does;
 * :func:`transactional_steps` - the dedup row and the handler's writes in one
   database transaction: claim inside it, run the handler on it, check it can still
   commit, commit (nothing to complete, nothing to release: a rollback undoes both).
@@ -38,9 +41,9 @@ from msgpatterns._escape import escape_control
 from msgpatterns.errors import (
     IdempotencyConflict,
     InProgress,
-    MsgPatternsError,
     NeedRetry,
     StoreUnavailable,
+    TransactionAborted,
 )
 from msgpatterns.idempotency.keys import KeyBuilder
 from msgpatterns.idempotency.records import DONE, Claim, IdempotencyStats, Record, Status
@@ -73,12 +76,6 @@ class _Tokens:
 
 #: A fresh owner token, unique across processes and hosts.
 new_token = _Tokens()
-
-
-class TransactionAborted(MsgPatternsError):
-    """The database aborted the handler's transaction before commit: nothing of it (nor
-    the dedup row) was committed. An ordinary failure: the message is retried per the
-    retry policy, never acked."""
 
 
 class ClaimRequest(NamedTuple):
@@ -219,13 +216,14 @@ def reported_round_trip(owner: str, what: str, run: Callable[[], R]) -> R:
 # -- the rules ----------------------------------------------------------------------------
 
 
-_COUNTERS = {Status.CLAIMED: "claimed", Status.DONE: "duplicates",
+#: Claim status -> the IdempotencyStats counter it adds to.
+COUNTERS = {Status.CLAIMED: "claimed", Status.DONE: "duplicates",
              Status.IN_PROGRESS: "in_progress", Status.CONFLICT: "conflicts"}
 
 
 def count_claims(stats: IdempotencyStats, claims: Iterable[Claim]) -> None:
     """Count claims by outcome."""
-    stats.add_all(Counter(_COUNTERS[claim.status] for claim in claims))
+    stats.add_all(Counter(COUNTERS[claim.status] for claim in claims))
 
 
 def classify(key: str, record: Record, token: str, fingerprint: str | None) -> Claim:
@@ -357,7 +355,7 @@ def claim_many_steps(rules: LeaseRules, store_keys: Sequence[str],
     for store_key, fingerprint in zip(store_keys, prints, strict=True):
         held = queued.get(store_key)
         if held is not None:  # done here, not written yet
-            claim = _queued(held, fingerprint)
+            claim = queued_claim(held, fingerprint)
         elif store_key in seen:  # a later copy: never the owner
             record = records[store_key]
             claim = classify(store_key, record, "", fingerprint)
@@ -373,7 +371,7 @@ def claim_many_steps(rules: LeaseRules, store_keys: Sequence[str],
     return claims
 
 
-def _queued(held: Claim, fingerprint: str | None) -> Claim:
+def queued_claim(held: Claim, fingerprint: str | None) -> Claim:
     """A key whose completion write-behind still holds: DONE (or a CONFLICT for another
     fingerprint) without asking the store."""
     conflict = fingerprint is not None and held.fingerprint not in (None, fingerprint)
@@ -385,12 +383,12 @@ def claim_one_steps(rules: LeaseRules, store_key: str,
     """:func:`claim_many_steps` for one key (a message's guarded call: its hot path)."""
     held = rules.pending(store_key) if rules.pending is not None else None
     if held is not None:
-        claim = _queued(held, fingerprint)
+        claim = queued_claim(held, fingerprint)
     else:
         token = new_token()
         (record,) = yield Io("claim_many", [ClaimRequest(store_key, token, fingerprint)])
         claim = classify(store_key, record, token, fingerprint)
-    rules.stats.add(_COUNTERS[claim.status])
+    rules.stats.add(COUNTERS[claim.status])
     return claim
 
 
@@ -441,11 +439,9 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
         try:
             released = yield from release_steps(rules, [claim])
             if not released[0]:
-                log.debug("release of %s: the lease was no longer ours",
-                          escape_control(claim.key))
+                log_lease_gone(claim.key)
         except StoreUnavailable as exc:
-            log.warning("could not release %s (%s); it frees itself when its lease "
-                        "expires", escape_control(claim.key), escape_control(exc))
+            log_not_released(claim.key, exc)
         raise
     if options.store_result:
         claim = with_result(claim, result, rules.stats, options.max_result_bytes,
@@ -457,12 +453,26 @@ def lease_steps(rules: LeaseRules, store_key: str, fingerprint: str | None,
                                                        claim.result)])
         log_lost([claim], done, rules.stats)
     except StoreUnavailable as exc:
-        log.error(
-            "effect for %s applied but not recorded as done (%s); the lease will "
-            "expire and a duplicate delivered after that applies it again",
-            escape_control(store_key), escape_control(exc),
-        )
+        log_not_completed(store_key, exc)
     return Executed(True, result, claim)
+
+
+def log_lease_gone(key: str) -> None:
+    """Rule 3: a release found the lease no longer ours."""
+    log.debug("release of %s: the lease was no longer ours", escape_control(key))
+
+
+def log_not_released(key: str, error: StoreUnavailable) -> None:
+    """Rule 3: the store stayed unreachable for a release."""
+    log.warning("could not release %s (%s); it frees itself when its lease expires",
+                escape_control(key), escape_control(error))
+
+
+def log_not_completed(key: str, error: StoreUnavailable) -> None:
+    """Rule 2: the store stayed unreachable for a completion."""
+    log.error("effect for %s applied but not recorded as done (%s); the lease will "
+              "expire and a duplicate delivered after that applies it again",
+              escape_control(key), escape_control(error))
 
 
 def transactional_steps(stats: IdempotencyStats, store_key: str, fingerprint: str | None,

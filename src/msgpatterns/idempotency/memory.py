@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from msgpatterns.errors import ConfigurationError, seconds
 from msgpatterns.idempotency.base import AsyncDriver, LeaseChecker
@@ -140,6 +140,14 @@ class MemoryChecker(AsyncDriver, LeaseChecker):
 
     async def aclose(self) -> None:
         """:meth:`close`, for code that closes async checkers."""
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        """``async with checker:`` (``with checker:`` works too) - the block's end
+        closes it."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
     def spec(self) -> CheckerSpec:

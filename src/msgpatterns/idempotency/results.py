@@ -32,7 +32,12 @@ import logging
 from typing import Any
 
 from msgpatterns._escape import escape_control
-from msgpatterns.errors import ConfigurationError, MsgPatternsError, Reject
+from msgpatterns.errors import (
+    ConfigurationError,
+    ResultIntegrityError,
+    ResultNotSerialisable,
+    ResultNotStored,
+)
 
 __all__ = [
     "DEFAULT_MAX_RESULT_BYTES",
@@ -62,35 +67,6 @@ _STORED = "="
 _NOT_STORED = "!"
 _SIGNED = "#"
 _MAC_CHARS = 64  # HMAC-SHA256, hex
-
-
-class ResultNotSerialisable(MsgPatternsError, TypeError):
-    """A handler's result cannot be stored as JSON (its type, a NaN, a cycle, too deep).
-
-    Never raised to the caller whose handler produced it - that effect has happened, so
-    the key is marked DONE without a result and this error is logged; its text is kept
-    as the reason a duplicate's :class:`ResultNotStored` gives.
-    """
-
-
-class ResultNotStored(Reject):
-    """A duplicate asked for the stored result of a DONE key that has none.
-
-    The effect was applied once and is not applied again. The reason says why there is
-    no result: it was too large, not JSON-serialisable, or the key was completed
-    without ``store_result``. A :class:`~msgpatterns.errors.Reject`: under a
-    ``Consumer`` the duplicate is dead-lettered with this reason (pass
-    ``on_duplicate`` to handle it otherwise).
-    """
-
-
-class ResultIntegrityError(ResultNotStored):
-    """A duplicate's stored result failed its integrity check (the checker has a
-    ``result_key``): it was forged, altered, written without the key or for another
-    key. The value is never returned. The effect was applied once and is not applied
-    again; as a :class:`ResultNotStored` (a ``Reject``) the duplicate is dead-lettered
-    with this reason under a ``Consumer``.
-    """
 
 
 def check_result_key(value: object) -> bytes | None:

@@ -1,4 +1,5 @@
-"""Checker specs: how a checker travels to another process (a Spark executor, a worker).
+"""The :class:`Checker` protocol and checker specs: how a checker travels to another
+process (a Spark executor, a worker).
 
 A live checker holds connections, which cannot be pickled. ``checker.spec()`` gives a
 :class:`CheckerSpec` - a URL and plain options - and :func:`checker_from_spec` builds
@@ -11,25 +12,59 @@ an equivalent checker from it in the receiving process::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from msgpatterns._redact import hide_password_in, redact_url
 from msgpatterns.errors import ConfigurationError
+from msgpatterns.idempotency.guard import Executed
 from msgpatterns.idempotency.policy import StorePolicy
+from msgpatterns.idempotency.records import IdempotencyStats
+from msgpatterns.idempotency.results import DEFAULT_MAX_RESULT_BYTES
 
-if TYPE_CHECKING:
-    from msgpatterns.idempotency.base import Checker
+__all__ = ["Checker", "CheckerSpec", "checker_from_spec", "checker_from_url",
+           "hide_password_in", "redact_url"]
 
-__all__ = ["CheckerSpec", "checker_from_spec", "checker_from_url", "hide_password_in",
-           "redact_url"]
+R = TypeVar("R")
 
 _KINDS = {
     "redis": ("msgpatterns.idempotency.redis_store", "RedisChecker"),
     "sql": ("msgpatterns.idempotency.sql", "SqlChecker"),
     "transactional_sql": ("msgpatterns.idempotency.transactional", "TransactionalSqlChecker"),
 }
+
+
+@runtime_checkable
+class Checker(Protocol):
+    """What ``@idempotent`` calls on a checker for sync handlers: the guarded call."""
+
+    namespace: str
+    stats: IdempotencyStats
+    #: True when ``execute`` hands the handler a transaction (``tx``).
+    passes_tx: bool
+
+    def store_key(self, key: object, group: str = "") -> str:
+        """The key as stored for ``key`` in ``group``."""
+        ...
+
+    def execute(
+        self, key: object, call: Callable[[Any], R], *, group: str = "",
+        fingerprint: str | None = None, fail_open: bool = False,
+        store_result: bool = False, max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    ) -> Executed[R]:
+        """Run ``call`` at most once per key, following the six rules; with
+        ``store_result`` a duplicate's ``Executed.result`` is the stored result."""
+        ...
+
+    def spec(self) -> CheckerSpec:
+        """A picklable description from which another process rebuilds this checker."""
+        ...
+
+    def close(self) -> None:
+        """Release connections this checker created."""
+        ...
+
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Self, TypeVar, Unpack
 
 from msgpatterns._callables import renamed_arguments
 from msgpatterns.errors import ConfigurationError, StoreUnavailable, seconds
@@ -29,9 +29,9 @@ from msgpatterns.idempotency.base import (
     AsyncOptions,
     Closable,
     Executed,
-    _options,
     aperform_io,
     attach_results,
+    checker_options,
     perform_io,
 )
 from msgpatterns.idempotency.guard import (
@@ -175,7 +175,7 @@ class _TransactionalBase(Closable, SignsResults):
     def _steps(self, key: object, group: str, fingerprint: str | None, fail_open: bool,
                store_result: bool, max_result_bytes: int) -> Any:
         self._check_open()
-        options = _options(fail_open, store_result, max_result_bytes, self.result_key)
+        options = checker_options(fail_open, store_result, max_result_bytes, self.result_key)
         if fail_open:
             raise ConfigurationError(
                 "fail_open makes no sense with TransactionalSqlChecker: the dedup row "
@@ -240,7 +240,8 @@ class TransactionalSqlChecker(SqlMaintenance, _TransactionalBase):
         self.engine = self.store.engine
 
     def _perform(self, io: Io) -> Any:
-        self._check_open()
+        if io.op == "begin":  # a transaction begun before close() runs to its end
+            self._check_open()
         return perform_io(getattr(self.store, io.op), io, self.policy, self.transient,
                           self.stats)
 
@@ -325,9 +326,18 @@ class TransactionalSqlChecker(SqlMaintenance, _TransactionalBase):
 
     def close(self) -> None:
         """Dispose of the engine if this checker created it; afterwards every operation
-        raises :class:`~msgpatterns.idempotency.CheckerClosed`. Idempotent."""
+        raises :class:`~msgpatterns.errors.CheckerClosed`. Idempotent. A call whose
+        transaction began before (in another thread) runs to its end on the connection
+        it holds: it commits, or rolls back, and gives the connection back."""
         if self._mark_closed():
             self.store.close()
+
+    def __enter__(self) -> Self:
+        """``with checker:`` - the block's end calls :meth:`close`."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class AsyncTransactionalSqlChecker(_TransactionalBase):
@@ -366,7 +376,8 @@ class AsyncTransactionalSqlChecker(_TransactionalBase):
         self._astore = AsyncAdapter(self.store, self.store.in_greenlet)
 
     async def _aperform(self, io: Io) -> Any:
-        self._check_open()
+        if io.op == "begin":  # a transaction begun before aclose() runs to its end
+            self._check_open()
         return await aperform_io(getattr(self._astore, io.op), io, self.policy,
                                  self.transient, self.stats)
 
@@ -391,9 +402,17 @@ class AsyncTransactionalSqlChecker(_TransactionalBase):
         return result
 
     async def aclose(self) -> None:
-        """Dispose of the engine if this checker created it. Idempotent."""
+        """Dispose of the engine if this checker created it; afterwards every operation
+        raises :class:`~msgpatterns.errors.CheckerClosed`. Idempotent."""
         if self._mark_closed():
             await self.store.aclose()
+
+    async def __aenter__(self) -> Self:
+        """``async with checker:`` - the block's end awaits :meth:`aclose`."""
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def _no_run(tx: Any) -> Any:

@@ -20,14 +20,19 @@ import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from msgpatterns.errors import StoreUnavailable
 from msgpatterns.idempotency.records import Claim
 
 if TYPE_CHECKING:
     from msgpatterns.batching import Flusher
-    from msgpatterns.idempotency.base import LeaseChecker
+
+
+class CompletesMany(Protocol):
+    """What a write-behind needs of its checker (a lease checker)."""
+
+    def complete_many(self, claims: Sequence[Claim]) -> Any: ...
 
 __all__ = ["AsyncWriteBehind", "WriteBehind"]
 
@@ -61,7 +66,7 @@ class _Pending:
 class WriteBehind(_Pending):
     """Queues a checker's completions and writes them with ``complete_many``."""
 
-    def __init__(self, checker: LeaseChecker, interval: float) -> None:
+    def __init__(self, checker: CompletesMany, interval: float) -> None:
         super().__init__()
         self.checker = checker
         self.interval = interval

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from msgpatterns._extras import require
-from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers import codec
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import BrokerUnavailable, ConfigurationError
 from msgpatterns.message import Message

@@ -76,7 +76,7 @@ from typing import Annotated, Any, Protocol
 
 from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
-from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers import codec
 from msgpatterns.deadletter import DeadLetter, DeadLetterStore
 from msgpatterns.errors import ConfigurationError, describe
 from msgpatterns.message import Message
@@ -169,7 +169,7 @@ class _RabbitRoute:
         await self.broker.declare_queue(RabbitQueue(name, durable=True, arguments=arguments))
 
     async def retry(self, msg: Any, message: Message, decision: RetryLater) -> None:
-        from msgpatterns.brokers.rabbitmq import RabbitMQBroker, delay_bucket_ms
+        from msgpatterns.brokers.rabbitmq.broker import RabbitMQBroker, delay_bucket_ms
 
         target = self.queue
         if decision.delay > 0:
@@ -186,7 +186,7 @@ class _RabbitRoute:
         )
 
     async def dead_letter(self, record: DeadLetter) -> None:
-        from msgpatterns.brokers.rabbitmq import RabbitMQBroker
+        from msgpatterns.brokers.rabbitmq.broker import RabbitMQBroker
 
         dlq = RabbitMQBroker.dead_letter_queue_name(self.queue)
         await self._declare(dlq, {})  # classic, durable: as the adapter declares it
@@ -328,7 +328,7 @@ _DELAYS: weakref.WeakKeyDictionary[Any, _RedisDelays] = weakref.WeakKeyDictionar
 
 async def _redis_dead_letter(broker: Any, source: str, record: DeadLetter) -> None:
     """Add the record to the Redis stream ``<source>:dlq`` (the adapter's format)."""
-    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+    from msgpatterns.brokers.redis.broker import RedisStreamsBroker
 
     fields = {"body": codec.dead_letter_body(record),
               "headers": codec.dumps_headers(codec.dead_letter_headers(record))}
@@ -487,7 +487,7 @@ class _NatsRoute:
                                   correlation_id=msg.correlation_id)
 
     async def dead_letter(self, record: DeadLetter) -> None:
-        from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker
+        from msgpatterns.brokers.nats.broker import NatsJetStreamBroker
 
         subject = NatsJetStreamBroker.dead_letter_subject(record.message.topic)
         await self.broker.publish(codec.dead_letter_body(record), subject=subject,

@@ -1,9 +1,11 @@
-"""Consumer health: :class:`Health` (from ``Consumer.health()``) and :class:`HealthServer`,
-a tiny HTTP endpoint for liveness and readiness probes.
+"""Consumer health: :class:`Health` (from ``Consumer.health()`` and
+``AsyncConsumer.health()``) and :class:`HealthServer`, a tiny HTTP endpoint for liveness
+and readiness probes.
 
-``GET /livez`` answers 200 while every consumer is running (its threads alive), else
-503; ``GET /readyz`` answers 200 while every consumer is running and its last fetch
-succeeded (and its broker says it is connected, where the broker can tell), else 503.
+``GET /livez`` answers 200 while every consumer is running (its threads, or its tasks
+and event loop, alive), else 503; ``GET /readyz`` answers 200 while every consumer is
+running and its last fetch succeeded (and its broker says it is connected, where the
+broker can tell), else 503.
 Both carry the health snapshots as JSON. Anything else is 404.
 
 The server runs the standard library's ``ThreadingHTTPServer`` on one daemon thread,
@@ -29,8 +31,10 @@ from msgpatterns.observability.endpoint import (
     BoundedHTTPServer,
 )
 from msgpatterns.observability.stats import Health
+from msgpatterns.runtime.driver import DriverBase
 
 if TYPE_CHECKING:
+    from msgpatterns.aio.consumer import AsyncConsumer
     from msgpatterns.consumer import Consumer
 
 __all__ = ["Health", "HealthServer"]
@@ -40,16 +44,21 @@ class HealthServer:
     """Serves ``/livez`` and ``/readyz`` for ``consumers`` on ``host:port`` (port 0: a
     free port, see :attr:`port`) from a daemon thread, until :meth:`close`.
 
+    ``consumers`` are :class:`~msgpatterns.Consumer` and
+    :class:`~msgpatterns.aio.AsyncConsumer` objects, mixed as you like: each probe
+    calls their ``health()`` from the server's thread (an ``AsyncConsumer`` takes its
+    snapshot on its own event loop and waits for it up to ``health_timeout``; a loop
+    that does not answer in time is reported not running).
+
     ``read_timeout``: seconds a connection may stay silent before it is closed;
     ``max_connections``: connections served at once (more are answered 503)."""
 
-    def __init__(self, *consumers: Consumer, host: str = "127.0.0.1", port: int = 0,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT,
+    def __init__(self, *consumers: Consumer | AsyncConsumer, host: str = "127.0.0.1",
+                 port: int = 0, read_timeout: float = DEFAULT_READ_TIMEOUT,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
-        from msgpatterns.consumer import Consumer
-
-        if not consumers or not all(isinstance(c, Consumer) for c in consumers):
-            raise ConfigurationError("HealthServer needs one or more Consumer objects")
+        if not consumers or not all(isinstance(c, DriverBase) for c in consumers):
+            raise ConfigurationError(
+                "HealthServer needs one or more Consumer or AsyncConsumer objects")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigurationError(f"HealthServer port must be an int in 0..65535, got {port!r}")
         self.consumers = consumers
@@ -93,7 +102,8 @@ class HealthServer:
         return f"<HealthServer {self.url} {'closed' if self._closed else 'open'}>"
 
 
-def _handler_for(consumers: tuple[Consumer, ...]) -> type[BaseHTTPRequestHandler]:
+def _handler_for(
+        consumers: tuple[Consumer | AsyncConsumer, ...]) -> type[BaseHTTPRequestHandler]:
     class _Probe(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]

@@ -88,12 +88,14 @@ class PrometheusEndpoint:
 def serve_prometheus(port: int = 9464, host: str = "127.0.0.1", *,
                      tracer_provider: TracerProvider | None = None,
                      read_timeout: float = DEFAULT_READ_TIMEOUT,
-                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> PrometheusEndpoint:
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                     duration_sample_rate: float | None = None) -> PrometheusEndpoint:
     """Instrument the process and serve its metrics at ``http://host:port/metrics``
     (port 0: a free port, see ``endpoint.port``). ``tracer_provider``: where spans go
     (None: the global one). ``read_timeout``: seconds a connection may stay silent
     before it is closed; ``max_connections``: connections served at once (more are
-    answered 503)."""
+    answered 503). ``duration_sample_rate``: the share of durations recorded in the
+    duration histograms (None: :func:`instrument`'s default, 0.1; 1.0: every one)."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigurationError(f"serve_prometheus port must be an int in 0..65535, "
                                  f"got {port!r}")
@@ -101,7 +103,7 @@ def serve_prometheus(port: int = 9464, host: str = "127.0.0.1", *,
     prometheus_client = require("prometheus_client", "otel")
     exporter = require("opentelemetry.exporter.prometheus", "otel")
     sdk_metrics = require("opentelemetry.sdk.metrics", "otel")
-    from msgpatterns.observability.otel import instrument
+    from msgpatterns.observability.otel import DEFAULT_DURATION_SAMPLE_RATE, instrument
 
     registry = prometheus_client.CollectorRegistry()
     reader = exporter.PrometheusMetricReader(registry=registry)
@@ -112,5 +114,7 @@ def serve_prometheus(port: int = 9464, host: str = "127.0.0.1", *,
     thread = threading.Thread(target=server.serve_forever, name="msgpatterns-prometheus",
                               daemon=True)
     thread.start()
-    listener = instrument(meter_provider=provider, tracer_provider=tracer_provider)
+    listener = instrument(meter_provider=provider, tracer_provider=tracer_provider,
+                          duration_sample_rate=DEFAULT_DURATION_SAMPLE_RATE
+                          if duration_sample_rate is None else duration_sample_rate)
     return PrometheusEndpoint(server, thread, provider, listener)

@@ -22,14 +22,15 @@ Guarantees:
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from msgpatterns.consumer import Consumer
     from msgpatterns.message import Message
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "DeliveryScope",
     "Health",
     "Listener",
+    "ObservedConsumer",
     "Outcome",
     "get_listener",
     "outcome_of",
@@ -77,6 +79,21 @@ def outcome_of(counted: list[str] | tuple[str, ...]) -> Outcome:
     return Outcome.UNSETTLED
 
 
+class ObservedConsumer(Protocol):
+    """What a listener may read of the consumer it hears about: a
+    :class:`~msgpatterns.Consumer` or an :class:`~msgpatterns.aio.AsyncConsumer` (both
+    report the same events, with the same figures)."""
+
+    name: str
+    group: str
+    broker: Any
+
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched and not yet settled."""
+        ...
+
+
 class DeliveryScope:
     """What a listener keeps while one delivery runs (returned by
     :meth:`Listener.delivery_started`). The base does nothing."""
@@ -95,23 +112,28 @@ class Listener:
     """Receives the library's figures and delivery events; every method is a no-op.
 
     Subclass it and override what you need, then :func:`set_listener`. Methods may be
-    called from any thread, concurrently.
+    called from any thread, concurrently. ``consumer`` is a
+    :class:`~msgpatterns.Consumer` or an :class:`~msgpatterns.aio.AsyncConsumer`; for
+    the asyncio driver the methods are called on its event loop (a scope is opened
+    and closed in the worker task that runs the handler, so a context a listener
+    attaches there is the handler's own).
     """
 
     # -- consumer -------------------------------------------------------------------
 
-    def consumer_counted(self, consumer: Consumer, counts: Mapping[str, int],
+    def consumer_counted(self, consumer: ObservedConsumer, counts: Mapping[str, int],
                          message: Message | None = None) -> None:
         """``consumer.stats`` fields just grew by ``counts`` (``fetched``, ``acked``,
         ``failed``, ``retried_locally``, ``redelivered``, ``dead_lettered``,
         ``ack_timeouts``, ``released``, ``broker_errors``); ``message`` when the
         figures are about one delivery."""
 
-    def delivery_started(self, consumer: Consumer, message: Message) -> DeliveryScope | None:
+    def delivery_started(self, consumer: ObservedConsumer,
+                         message: Message) -> DeliveryScope | None:
         """The handler is about to run ``message`` on this thread."""
         return None
 
-    def delivery_settled(self, consumer: Consumer, message: Message, counted: list[str],
+    def delivery_settled(self, consumer: ObservedConsumer, message: Message, counted: list[str],
                          error: BaseException | None) -> None:
         """``message`` was settled with ``error`` (None: success) and counted as
         ``counted`` (ConsumerStats fields). The default reports the counts."""
@@ -159,7 +181,32 @@ def set_listener(new: Listener | None) -> Listener | None:
             f"got {type(new).__name__}"
         )
     previous, listener = listener, new
+    if new is not previous:
+        for key, callback in list(_watchers.items()):
+            method = callback()
+            if method is None:  # its runtime is gone
+                _watchers.pop(key, None)
+            else:
+                report(method)
     return previous
+
+
+#: What :func:`watch_listener` registered: called after the listener changed.
+_watchers: dict[int, weakref.WeakMethod[Callable[[], None]]] = {}
+_watch_keys = itertools.count()
+
+
+def watch_listener(callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback`` (a bound method, held weakly) after every change of the
+    listener: a runtime that chose its hot path for "no listener" when it started
+    chooses again. Returns the function that stops watching."""
+    key = next(_watch_keys)
+    _watchers[key] = weakref.WeakMethod(callback)
+
+    def unwatch() -> None:
+        _watchers.pop(key, None)
+
+    return unwatch
 
 
 def get_listener() -> Listener | None:

@@ -25,10 +25,10 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from operator import itemgetter
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Self, TypeVar
 
 from msgpatterns._extras import require
-from msgpatterns.errors import ConfigurationError, MalformedMessage, NeedRetry
+from msgpatterns.errors import ClosedError, ConfigurationError, MalformedMessage, NeedRetry
 from msgpatterns.ordering.errors import InvalidVersion, MissingVersion, VersionConflict
 
 require("sqlalchemy", "sql")
@@ -97,10 +97,14 @@ def _on_connection(
 ) -> Callable[Concatenate[G, Connection | Engine, P], R]:
     """Let ``method`` take an Engine too: it then runs in its own transaction
     (``engine.begin()``, committed on return, rolled back on error). Anything else as
-    ``conn`` is a :class:`ConfigurationError` naming the argument."""
+    ``conn`` is a :class:`ConfigurationError` naming the argument; after ``close()``
+    every call raises :class:`~msgpatterns.errors.ClosedError`."""
 
     @functools.wraps(method)
     def run(self: G, conn: Connection | Engine, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self.closed:
+            raise ClosedError(f"VersionGuard.{method.__name__}: the guard of "
+                              f"{self.table.name!r} is closed")
         if isinstance(conn, Connection):
             return method(self, conn, *args, **kwargs)
         if isinstance(conn, Engine):
@@ -138,7 +142,14 @@ class VersionGuard:
     :class:`~msgpatterns.errors.ConfigurationError`, as do a ``table`` that is not a
     :class:`~sqlalchemy.Table` and ``key``/``version`` that are not columns of it (or
     names of its columns).
+
+    A guard holds no connection (each call uses the one it is given); it is a context
+    manager all the same, like every part: after :meth:`close` (or the ``with`` block)
+    every method raises :class:`~msgpatterns.errors.ClosedError`.
     """
+
+    #: True once :meth:`close` was called.
+    closed = False
 
     def __init__(
         self, table: Table, key: ColumnRef | Sequence[ColumnRef], version: ColumnRef
@@ -169,6 +180,23 @@ class VersionGuard:
         self._value_names = {c.key for c in table.columns} - self._fixed
         self._templates: dict[tuple[Family, frozenset[str], bool], Insert] = {}
         self._copy_templates: dict[tuple[str, frozenset[str], str], Insert] = {}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the cached statements; afterwards every method raises
+        :class:`~msgpatterns.errors.ClosedError`. Idempotent. The connections and
+        engines the calls were given are the caller's: they stay open."""
+        self.closed = True
+        self._templates.clear()
+        self._copy_templates.clear()
+
+    def __enter__(self) -> Self:
+        """``with guard:`` - the block's end calls :meth:`close`."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- reading ------------------------------------------------------------------------
 
@@ -337,7 +365,7 @@ class VersionGuard:
             raw = copy_connection(conn)
             if raw is not None:
                 names = [c.key for c in self.table.columns if c.key in columns]
-                return self._copy_upsert(
+                return self.copy_upsert(
                     conn, raw, names, [tuple([row[n] for n in names]) for _, row in items])
         # Executemany: compiled once, sent in pages by SQLAlchemy. RETURNING yields just
         # the rows written (older SQLite without RETURNING sums the row counts).
@@ -355,7 +383,7 @@ class VersionGuard:
                 written += conn.execute(template, params).rowcount
         return written
 
-    def _copy_upsert(
+    def copy_upsert(
         self, conn: Connection, raw: Any, names: Sequence[str], rows: Sequence[Sequence[Any]]
     ) -> int:
         """PostgreSQL with psycopg 3: COPY ``rows`` (value tuples for the columns

@@ -12,6 +12,11 @@ Who awaits the settlement: the worker that ran the handler awaits its own outcom
 itself (:meth:`finish` - no task, no extra hop through the loop); any other settlement
 gets a task of its own (:meth:`spawn`), kept in :attr:`AsyncSettling.tasks` until it
 ended; one from a foreign thread is moved onto the loop first.
+
+The hot path - a success is a plain ack and a freed slot, when no key gate, no
+overridden ``RetryPolicy.decide`` and no telemetry listener must see it - is chosen
+once, by :meth:`AsyncSettling.choose` when the consumer starts (and again when the
+listener changes), never tested per message.
 """
 
 from __future__ import annotations
@@ -20,17 +25,14 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
 from typing import Any
 
 from msgpatterns._escape import escape_control
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
-from msgpatterns.idempotency.batch import BatchGuard, Entry
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.runtime.async_flow import AsyncFlow
-from msgpatterns.runtime.rounds import expired
 from msgpatterns.runtime.settler import Settled, Settler, run_async
 from msgpatterns.runtime.stats import Reporter
 
@@ -53,8 +55,11 @@ class AsyncSettling:
         self.tasks: set[asyncio.Task[Any]] = set()
         #: The ack deadlines of the current run (set at start).
         self.deadlines: DeadlineTracker[Message] | None = None
-        #: A success is a plain ack: no key gate, no custom decide (set at start).
-        self.plain_acks = False
+        #: Whether a handler's success may be settled quietly (see :meth:`choose`).
+        self.quick_ack: Callable[[Message], bool] = _never
+        #: Settle successful deliveries together (see :meth:`choose`).
+        self.ack_all: Callable[[Sequence[Message]], Awaitable[None]] = self._finish_each
+        self._succeeded: Callable[[Message], Awaitable[None]] = self._settle_success
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         # The settlement the worker running finish() awaits itself.
@@ -62,12 +67,24 @@ class AsyncSettling:
         self._outcome: tuple[BaseException | None] | None = None
 
     def reset(self, loop: asyncio.AbstractEventLoop,
-              deadlines: DeadlineTracker[Message] | None, plain_acks: bool) -> None:
+              deadlines: DeadlineTracker[Message] | None) -> None:
         """A new run on ``loop`` (the calling thread's)."""
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self.deadlines = deadlines
-        self.plain_acks = plain_acks
+
+    def choose(self, *, plain_acks: bool) -> bool:
+        """Pick the hot path or its plain twin (at start, and when the telemetry
+        listener changes): with ``plain_acks`` (no key gate, no overridden decide) and
+        no listener, a handler's success under auto ack is settled quietly by its
+        worker (:attr:`quick_ack`, then :meth:`ack`) and successes are acked together
+        (:attr:`ack_all`); otherwise every success goes through the settler and is
+        reported. Returns True for the hot path."""
+        fast = plain_acks and _obs.listener is None
+        self.quick_ack = _settle_quietly if fast else _never
+        self.ack_all = self._ack_all_quietly if fast else self._finish_each
+        self._succeeded = self.ack if fast else self._settle_success
+        return fast
 
     # -- the delivery's sink ------------------------------------------------------------
 
@@ -81,18 +98,15 @@ class AsyncSettling:
         else:
             self.spawn(message, error)
 
-    def on_claimed_settled(self, guard: BatchGuard, entry: Entry, message: Message,
-                           error: BaseException | None) -> None:
-        """The sink of a batch-claimed delivery settled outside its run (an explicit
-        ack, its deadline, a stop): its claim is finished first - completed on a
-        success, released on a failure, except that its deadline or a stop leaves the
-        claim of a handler still running to that run (:meth:`BatchGuard.asettled`) -
-        then it is settled, in a task of its own."""
-        claimed = partial(self._settle_claimed, guard, entry)
+    def settle_with(self, settle: Callable[[Message, BaseException | None], Awaitable[None]],
+                    message: Message, error: BaseException | None) -> None:
+        """Carry out ``settle(message, error)`` in a task of its own (a sink settled
+        outside its run: an explicit ack, its deadline, a stop), moved onto the loop
+        first when it comes from another thread."""
         if threading.get_ident() != self._loop_thread:
-            self._from_thread(self._track, claimed, message, error)
+            self._from_thread(self._track, settle, message, error)
         else:
-            self._track(claimed, message, error)
+            self._track(settle, message, error)
 
     def _from_thread(self, then: Callable[..., object], *args: object) -> None:
         loop = self._loop
@@ -116,17 +130,8 @@ class AsyncSettling:
         finally:
             self._inline = self._outcome = None
 
-    def quick_ack(self, message: Message) -> bool:
-        """The handler of ``message`` returned: when its success is a plain ack (auto
-        ack, no key gate, no custom decide, no telemetry listener), settle the delivery
-        quietly and return True - the caller then awaits :meth:`ack`. False: use
-        :meth:`finish` (nothing changed)."""
-        delivery = message.delivery
-        return (self.plain_acks and delivery.auto_ack and _obs.listener is None
-                and delivery.settle_quietly())
-
     async def ack(self, message: Message) -> None:
-        """Carry out a success settled by :meth:`quick_ack`: the ack, the freed slot
+        """Carry out a success settled by :attr:`quick_ack`: the ack, the freed slot
         (a failed ack is settled another way)."""
         deadlines = self.deadlines
         if deadlines is not None:
@@ -136,6 +141,8 @@ class AsyncSettling:
         except Exception as failure:
             await self._ack_failed(message, failure)
             return
+        if _obs.listener is not None:
+            self.reporter.settled(message, ["acked"], None)  # before the slot
         self.flow.free_acked(message)
 
     def spawn(self, message: Message, error: BaseException | None) -> None:
@@ -152,17 +159,20 @@ class AsyncSettling:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def ack_all(self, messages: Sequence[Message]) -> None:
-        """Settle successful deliveries (auto ack; their claims completed already):
-        each acked and its slot freed here; where a settlement must be seen per
-        message (a telemetry listener, ordered mode's key gate, a RetryPolicy that
-        overrides decide) each goes through its delivery's sink instead."""
-        if not self.plain_acks or _obs.listener is not None:
-            for message in messages:
-                message.delivery.finish(message, None)
-            return
+    async def _finish_each(self, messages: Sequence[Message]) -> None:
+        """Successes whose settlement must be seen per message (a telemetry listener,
+        ordered mode's key gate, a RetryPolicy that overrides decide): each through its
+        delivery's sink."""
         for message in messages:
-            if message.delivery.settle_quietly():
+            message.delivery.finish(message, None)
+
+    async def _ack_all_quietly(self, messages: Sequence[Message]) -> None:
+        """The hot path of many successes (their claims completed already): each under
+        auto ack settled quietly, acked and its slot freed here; one awaiting its
+        handler's explicit ack is left alone."""
+        for message in messages:  # (one whose handler acks it itself is left alone)
+            delivery = message.delivery
+            if delivery.auto_ack and delivery.settle_quietly():
                 await self.ack(message)
 
     # -- the settlement -----------------------------------------------------------------
@@ -170,9 +180,15 @@ class AsyncSettling:
     async def settle(self, message: Message, error: BaseException | None) -> None:
         """Carry out the settlement of ``message`` (awaiting its broker operations);
         whatever fails, the delivery is settled another way and its slot freed."""
-        if error is None and self.plain_acks and _obs.listener is None:
-            await self.ack(message)  # a success is an ack and a freed slot
-            return
+        if error is None:
+            await self._succeeded(message)
+        else:
+            await self._settle(message, error)
+
+    async def _settle_success(self, message: Message) -> None:
+        await self._settle(message, None)
+
+    async def _settle(self, message: Message, error: BaseException | None) -> None:
         deadlines = self.deadlines
         if deadlines is not None:
             deadlines.untrack(message)
@@ -184,17 +200,6 @@ class AsyncSettling:
             self.reporter.settled(message, settled.counted, error)  # before the slot
             if self.flow.free(message, settled):
                 self.spawn_hand_back([message])
-
-    async def _settle_claimed(self, guard: BatchGuard, entry: Entry, message: Message,
-                              error: BaseException | None) -> None:
-        if entry.open:
-            try:
-                await guard.asettled(entry, error, expired=expired(error))
-            except Exception:
-                self.log.exception("%s: finishing the idempotency claim of %s failed",
-                                   self.settler.name, escape_control(message.id),
-                                   extra=self.settler.extra(message))
-        await self.settle(message, error)
 
     async def _ack_failed(self, message: Message, failure: Exception) -> None:
         """The ack of a success raised: settle it another way, count, free the slot."""
@@ -215,7 +220,22 @@ class AsyncSettling:
         errors = await run_async(self.settler.hand_back(messages), self.broker, None)
         stats.released += len(messages) - errors
         stats.broker_errors += errors
+        self.reporter.count({"fetched": len(messages) if fetched else 0,
+                             "released": len(messages) - errors, "broker_errors": errors})
 
     def spawn_hand_back(self, messages: Sequence[Message]) -> None:
         """:meth:`hand_back` retry copies, in a task of its own."""
         self._in_task(self.hand_back(messages, fetched=False))
+
+
+def _never(message: Message) -> bool:
+    """The plain twin of the hot path: a success is never settled quietly."""
+    return False
+
+
+def _settle_quietly(message: Message) -> bool:
+    """The hot path: the handler of ``message`` returned under auto ack - settle the
+    delivery quietly and return True (the caller then awaits
+    :meth:`AsyncSettling.ack`); False, and nothing changed, otherwise."""
+    delivery = message.delivery
+    return delivery.auto_ack and delivery.settle_quietly()

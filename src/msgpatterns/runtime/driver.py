@@ -1,7 +1,7 @@
 """What both drivers hold: the checked options, the counts and the settler, and the few
-steps they take alike (choosing the retry clock, the ack deadline). The thread driver
-(:class:`msgpatterns.Consumer`) and the asyncio driver
-(:class:`msgpatterns.aio.AsyncConsumer`) add only how they wait.
+steps they take alike (choosing the retry clock, the ack deadline, reporting counts and
+opening a delivery's telemetry scope). The thread driver (:class:`msgpatterns.Consumer`)
+and the asyncio driver (:class:`msgpatterns.aio.AsyncConsumer`) add only how they wait.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from typing import Any
 from msgpatterns._escape import escape_control
 from msgpatterns.brokers.base import SupportsVirtualTime
 from msgpatterns.deadletter import DeadLetterStore
-from msgpatterns.errors import AckTimeout, ConfigurationError
+from msgpatterns.errors import AckTimeout, ClosedError, ConfigurationError
 from msgpatterns.message import Message, SettleCallback
+from msgpatterns.observability.stats import DeliveryScope, Health, Listener
 from msgpatterns.retry import RetryPolicy
 from msgpatterns.runtime.clock import Clock, RealClock, VirtualClock
 from msgpatterns.runtime.options import check_common, duration, topic_list
 from msgpatterns.runtime.settler import Settler
-from msgpatterns.runtime.stats import ConsumerStats
+from msgpatterns.runtime.stats import ConsumerStats, Reporter
 from msgpatterns.timer import Timer
 
 __all__ = ["DriverBase", "ack_deadline_passed"]
@@ -44,8 +45,24 @@ class DriverBase:
     name: str
     handler_name: str
     stats: ConsumerStats
+    batch: bool
     _settler: Settler
+    _reporter: Reporter
     _log: logging.Logger
+    #: Set by close() / aclose(): the driver never starts again.
+    _closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` (``aclose()``) was called: the consumer never starts
+        again."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        """Raise :class:`~msgpatterns.errors.ClosedError` once closed."""
+        if self._closed:
+            raise ClosedError(f"{self.name} is closed: build a new consumer "
+                              "(a closed consumer never starts again)")
 
     def _configure(self, where: str, *, broker: Any, handler: object, topics: Sequence[str],
                    group: str, retry: RetryPolicy | None, ordered: bool, max_in_flight: int,
@@ -78,6 +95,7 @@ class DriverBase:
         self.name = name or default_name
         self.handler_name = getattr(handler, "__qualname__", None) or repr(handler)
         self.stats = ConsumerStats()
+        self._reporter = Reporter(self)
         self._log = log
         self._settler = Settler(
             policy=self.retry, now=broker.now, group=group, name=self.name,
@@ -92,8 +110,29 @@ class DriverBase:
             return VirtualClock(broker, self.broker.now)
         return RealClock(self.broker.now, timer)
 
+    @property
+    def in_flight(self) -> int:
+        """Messages fetched and not yet settled."""
+        raise NotImplementedError
+
+    def health(self) -> Health:
+        """A snapshot of this consumer's health (see the drivers)."""
+        raise NotImplementedError
+
     def _count(self, counts: Mapping[str, int], message: Message | None = None) -> None:
-        """``counts`` were just added to ``stats`` (the thread driver reports them)."""
+        """``counts`` were just added to ``stats``: report them to the telemetry
+        listener (no cost without one)."""
+        self._reporter.count(counts, message)
+
+    def _start_scope(self, listener: Listener, message: Message) -> DeliveryScope | None:
+        """``message``'s handler is about to run: the listener's scope for it (None when
+        the listener failed: logged, never raised)."""
+        try:
+            return listener.delivery_started(self, message)
+        except Exception:
+            self._log.exception("%s: telemetry listener failed", self.name,
+                                extra=self._settler.extra(message))
+            return None
 
     def _deadline(self, message: Message) -> None:
         """The ack deadline of ``message`` passed: fail the delivery (AckTimeout)."""

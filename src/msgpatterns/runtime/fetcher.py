@@ -250,7 +250,11 @@ class Fetcher:
             else:
                 self._wake_settled()
         if give_back:  # stopped meanwhile: give it back
-            run_sync(self.settler.hand_back([message]), self.broker, None)
+            errors = run_sync(self.settler.hand_back([message]), self.broker, None)
+            with self.cond:
+                self.stats.released += 1 - errors
+                self.stats.broker_errors += errors
+            self.reporter.count({"released": 1 - errors, "broker_errors": errors})
 
     def free_one_acked(self, message: Message) -> None:
         """One successful delivery was acked: free its slot (the hot path)."""

@@ -8,7 +8,7 @@ from datetime import timedelta
 from msgpatterns.errors import ConfigurationError, seconds
 from msgpatterns.retry import RetryPolicy
 
-__all__ = ["check_common", "duration", "topic_list"]
+__all__ = ["check_batch", "check_common", "duration", "topic_list"]
 
 
 def duration(value: float | timedelta | None, option: str,
@@ -60,3 +60,16 @@ def check_common(where: str, *, retry: object, dead_letters: object, group: obje
             raise ConfigurationError(
                 f"{where} {option} must be an int of at least 1, got {value!r}"
             )
+
+
+def check_batch(where: str, *, batch: object, ordered: bool) -> None:
+    """Refuse a ``batch`` option that is not a bool, and a batch handler in ordered
+    mode (:class:`ConfigurationError`)."""
+    if not isinstance(batch, bool):
+        raise ConfigurationError(f"{where} batch must be True or False, got {batch!r}")
+    if batch and ordered:
+        raise ConfigurationError(
+            f"{where} batch=True cannot be ordered: a batch mixes keys, and ordered "
+            "mode runs each key's messages one at a time; use a per-message handler "
+            "with ordered=True (an @idempotent one still claims per batch)"
+        )

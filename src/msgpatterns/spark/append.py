@@ -181,8 +181,6 @@ def append_rows(
     ``mapInArrow`` job; the counts come back with its result).
     """
     require("pyspark", "spark")
-    from pyspark.sql import functions as F
-
     if not isinstance(batch_id, int) or batch_id < 0:
         raise ConfigurationError("batch_id must be the micro-batch id (an int >= 0)")
     if query_id is None:
@@ -203,15 +201,12 @@ def append_rows(
     append = _Append(sql, table, schema, ledger_table, check_sink_id(sink_id), query_id,
                      batch_id)
     out = f"{_PARTITION} int, {_ROWS} long, {_STATE} tinyint"
-    totals = (df.mapInArrow(append, out)
-              .agg(F.sum(_ROWS), F.count_if(F.col(_STATE) == _WRITTEN),
-                   F.count_if(F.col(_STATE) == _SKIPPED))
-              .first())
+    # one row per partition, summed here: no aggregation stage (and shuffle) after it
+    outcomes = df.mapInArrow(append, out).collect()
     _forget_old(engine, ledger, append)
-    if totals is None:
-        return AppendResult(0, 0, 0)
-    return AppendResult(rows=int(totals[0] or 0), partitions=int(totals[1] or 0),
-                        skipped=int(totals[2] or 0))
+    return AppendResult(rows=sum(int(o[1]) for o in outcomes),
+                        partitions=sum(o[2] == _WRITTEN for o in outcomes),
+                        skipped=sum(o[2] == _SKIPPED for o in outcomes))
 
 
 def _forget_old(engine: sa.Engine, ledger: sa.Table, append: _Append) -> None:

@@ -13,6 +13,8 @@ succeeded; a failed write releases the claims so a re-run writes those rows agai
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import uuid
 from collections.abc import Iterator
@@ -25,6 +27,8 @@ from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency.base import Checker, LeaseChecker
 from msgpatterns.idempotency.records import Claim, Status
 from msgpatterns.idempotency.spec import CheckerSpec, checker_from_url
+from msgpatterns.spark.batch import streaming_query_id
+from msgpatterns.spark.ledger import check_sink_id
 from msgpatterns.spark.resources import checker_for
 
 if TYPE_CHECKING:
@@ -168,19 +172,17 @@ class DedupedRows:
         return self._settle(complete=False)
 
     def _settle(self, *, complete: bool) -> int:
-        from pyspark.sql import functions as F
 
         if self.settled:
             raise ConfigurationError("these rows were committed or released already")
         self.settled = True
         try:
             settle = _SettlePartition(self._spec, self._group, self._token, complete)
-            total = (self._kept.select(self._key, _STORE_KEY, _TOKEN)
-                     .mapInArrow(settle, f"{_SETTLED} long")
-                     .agg(F.sum(_SETTLED)).first())
+            settled = (self._kept.select(self._key, _STORE_KEY, _TOKEN)
+                       .mapInArrow(settle, f"{_SETTLED} long").collect())
         finally:
             self._claimed.unpersist()
-        return int(total[0] or 0) if total is not None else 0
+        return sum(int(row[0]) for row in settled)  # one row per partition
 
     def __enter__(self) -> DedupedRows:
         return self
@@ -199,7 +201,8 @@ class DedupedRows:
 
 
 def dedup_rows(df: DataFrame, checker_spec: CheckerSpec | Checker | str, key: str,
-               *, group: str = "") -> DedupedRows:
+               *, group: str = "", sink_id: str | None = None, batch_id: int | None = None,
+               query_id: str | None = None, checkpoint: str | None = None) -> DedupedRows:
     """Keep one row per ``key`` whose key the checker has not seen DONE.
 
     Args:
@@ -209,14 +212,29 @@ def dedup_rows(df: DataFrame, checker_spec: CheckerSpec | Checker | str, key: st
             driver), or a store URL.
         key: the column holding the idempotency key (str, bytes or int).
         group: the key group, as in ``@idempotent(..., group=...)``.
+        sink_id: the sink's name (inside ``foreachBatch``, with ``batch_id``).
+        batch_id: the micro-batch id: the claims then belong to this batch of this
+            query, and a replay of the batch (Spark re-runs it after a driver crash)
+            gets them back. Without it each call claims under a fresh owner.
+        query_id: as for :func:`~msgpatterns.spark.append_rows`: the running query's
+            id by default, ``""`` for a sink keyed on ``sink_id`` alone. Used with
+            ``batch_id`` only.
+        checkpoint: the query's ``checkpointLocation``, where Spark Connect finds the
+            query id. Used with ``batch_id`` only.
 
     Rows whose key is DONE are dropped; of several rows with one key one is kept. The
     kept keys are claimed (PROCESSING) until :meth:`DedupedRows.commit` marks them
     DONE or :meth:`DedupedRows.release` frees them. A key another owner holds is kept
-    (never lost; written at least once). Crash semantics are the checker's: if the
-    driver dies after the write and before ``commit``, the claims expire after the
-    lease and a re-run writes those rows again - pair with
-    :func:`~msgpatterns.spark.idempotent_batch` and an idempotent write.
+    (never lost; written at least once).
+
+    A driver crash between the claim and ``commit``: with ``batch_id`` the claims are
+    the batch's (the owner token is derived from the sink, query, batch and group), so
+    the batch Spark re-runs on restart claims the same keys ``CLAIMED`` again, writes
+    them through an idempotent write (:func:`~msgpatterns.spark.append_rows` skips
+    partitions it committed) and marks them DONE: a later resend is dropped. Without
+    ``batch_id`` the re-run finds the keys held by the dead driver's claims: it writes
+    them (at least once) but cannot mark them until the lease ends, so a resend
+    arriving meanwhile, or after, is written again.
 
     Every claim of one call is made with one owner token, so a partition Spark
     computes again (cached blocks lost with an executor, a task re-attempt or a
@@ -235,8 +253,8 @@ def dedup_rows(df: DataFrame, checker_spec: CheckerSpec | Checker | str, key: st
     from pyspark import StorageLevel
     from pyspark.sql.types import StringType, StructField, StructType
 
+    token = _owner_token(df, group, sink_id, batch_id, query_id, checkpoint)
     unique = df.dropDuplicates([key])
-    token = uuid.uuid4().hex  # the owner of every claim this call makes
     schema = StructType([*unique.schema.fields,
                          StructField(_STORE_KEY, StringType(), True),
                          StructField(_TOKEN, StringType(), True),
@@ -249,6 +267,26 @@ def dedup_rows(df: DataFrame, checker_spec: CheckerSpec | Checker | str, key: st
     stats = DedupStats(kept=found.get(_KEPT, 0) + found.get(_HELD, 0),
                        dropped=found.get(_DONE, 0), in_progress=found.get(_HELD, 0))
     return DedupedRows(claimed, spec, key, group, token, stats)
+
+
+def _owner_token(df: DataFrame, group: str, sink_id: str | None, batch_id: int | None,
+                 query_id: str | None, checkpoint: str | None) -> str:
+    """The owner of every claim of one call: the batch's own token (the same on every
+    run of the batch) when ``batch_id`` is given, else a fresh one."""
+    if batch_id is None:
+        if sink_id is not None or query_id is not None or checkpoint is not None:
+            raise ConfigurationError("sink_id, query_id and checkpoint need batch_id")
+        return uuid.uuid4().hex
+    if not isinstance(batch_id, int) or batch_id < 0:
+        raise ConfigurationError("batch_id must be the micro-batch id (an int >= 0)")
+    if sink_id is None:
+        raise ConfigurationError("batch_id needs sink_id (the name of the sink)")
+    check_sink_id(sink_id)
+    if query_id is None:
+        query_id = streaming_query_id(df, checkpoint)
+    identity = json.dumps(["dedup_rows", sink_id, query_id, batch_id, group])
+    # 32 hex characters, as a fresh token (the stores' owner column holds 32)
+    return hashlib.blake2b(identity.encode(), digest_size=16).hexdigest()
 
 
 def _lease_checker(spec: CheckerSpec) -> LeaseChecker:

@@ -8,6 +8,7 @@ Not for production: no authentication, no TLS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,8 +23,8 @@ from pathlib import Path
 import msgpatterns
 from msgpatterns._extras import require
 
-__all__ = ["Cluster", "ConnectServer", "cluster_conf_for", "start_cluster",
-           "start_connect_server"]
+__all__ = ["Cluster", "ConnectServer", "cluster_conf_for", "descendants", "kill_tree",
+           "start_cluster", "start_connect_server"]
 
 #: The directory that holds this ``msgpatterns`` package (the Python workers of the
 #: servers started here import it from there).
@@ -106,6 +107,37 @@ def stop(pid: int, timeout: float = 30.0) -> None:
         return
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children...), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> list[int]:
+    """``kill -9`` of ``pid`` and every process below it (taken before the kill, so
+    orphans are not missed); returns the pids signalled."""
+    tree = [pid, *descendants(pid)]
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+    return tree
+
+
 @dataclass
 class ConnectServer:
     """A Spark Connect server on ``local[2,2]``; ``url`` is its ``sc://`` address."""
@@ -122,8 +154,11 @@ class ConnectServer:
         stop(self.pid)
 
 
-def start_connect_server(workdir: Path) -> ConnectServer:
-    """``sbin/start-connect-server.sh`` with SPARK_HOME = the pyspark package."""
+def start_connect_server(workdir: Path, *, fast_start: bool = True) -> ConnectServer:
+    """``sbin/start-connect-server.sh`` with SPARK_HOME = the pyspark package;
+    ``fast_start`` tunes its JVM for short runs (tests), off for measurements."""
+    from msgpatterns.spark.local import FAST_START
+
     port = free_port()
     env = spark_env(workdir)
     confs = {
@@ -134,7 +169,8 @@ def start_connect_server(workdir: Path) -> ConnectServer:
         "spark.sql.adaptive.coalescePartitions.enabled": "false",
         "spark.sql.session.timeZone": "UTC",
         "spark.driver.memory": "1g",
-        "spark.driver.extraJavaOptions": "-XX:+UseSerialGC -XX:TieredStopAtLevel=1",
+        "spark.log.level": "WARN",
+        **({"spark.driver.extraJavaOptions": FAST_START} if fast_start else {}),
     }
     args = [str(pyspark_home() / "sbin" / "start-connect-server.sh"), "--master", "local[2,2]"]
     for key, value in confs.items():
@@ -171,7 +207,7 @@ class Cluster:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/",
                                         timeout=30) as reply:
                 state = json.load(reply)
-        except OSError:
+        except (OSError, ValueError):  # not up yet, or not ALIVE yet (no JSON)
             return 0
         return int(state.get("aliveworkers", 0))
 
@@ -182,7 +218,8 @@ class Cluster:
 
 def start_cluster(workdir: Path, workers: int = 2) -> Cluster:
     """``bin/spark-class`` Master and Worker processes on 127.0.0.1."""
-    env = spark_env(workdir)
+    # no REST submission server: it would take the fixed port 6066
+    env = {**spark_env(workdir), "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false"}
     spark_class = str(pyspark_home() / "bin" / "spark-class")
     port, ui_port = free_port(), free_port()
     with open(workdir / "master.log", "wb") as log:
@@ -214,10 +251,14 @@ def start_cluster(workdir: Path, workers: int = 2) -> Cluster:
     return cluster
 
 
-def cluster_conf_for(master: str) -> dict[str, str]:
+def cluster_conf_for(master: str, *, fast_start: bool = True) -> dict[str, str]:
     """Settings of a driver session on a standalone cluster (its executors run this
-    Python and import this ``msgpatterns``)."""
+    Python and import this ``msgpatterns``); ``fast_start`` tunes the executors' JVMs
+    for short runs, as :func:`~msgpatterns.spark.local.local_spark` does the driver's."""
+    from msgpatterns.spark.local import FAST_START
+
     return {
+        **({"spark.executor.extraJavaOptions": FAST_START} if fast_start else {}),
         "spark.pyspark.python": sys.executable,
         "spark.executorEnv.PYTHONPATH": spark_env(Path("."))["PYTHONPATH"],
         "spark.executor.memory": "512m",

@@ -6,6 +6,7 @@ msgpatterns is enough) provides fixtures; the assertion helpers work in any test
 
 from typing import TYPE_CHECKING
 
+from msgpatterns._extras import lazy_attributes
 from msgpatterns.testing.assertions import (
     EffectLog,
     assert_all_acked,
@@ -31,10 +32,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # The schedule explorer needs Hypothesis: import it only when asked for.
-    if name in ("explore_schedules", "ScheduleFailure", "Fault"):
-        from msgpatterns.testing import explore
-
-        return getattr(explore, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The schedule explorer needs Hypothesis: import it only when asked for.
+__getattr__ = lazy_attributes(__name__, {
+    "explore_schedules": "msgpatterns.testing.explore",
+    "ScheduleFailure": "msgpatterns.testing.explore",
+    "Fault": "msgpatterns.testing.explore",
+})

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from msgpatterns.aio.consumer import AsyncConsumer
-from msgpatterns.aio.memory import AsyncInMemoryBroker
+from msgpatterns.brokers.memory.aio import AsyncInMemoryBroker
 from msgpatterns.message import Message
+from msgpatterns.testing._markers import fake_broker_options
 
 __all__ = ["AConsumeFn", "aconsume", "async_fake_broker"]
 
@@ -32,8 +33,6 @@ AConsumeFn = Callable[..., Awaitable[AsyncConsumer]]
 def async_fake_broker(request: pytest.FixtureRequest) -> Iterator[AsyncInMemoryBroker]:
     """An async in-memory broker with at-least-once semantics and the faults asked for
     by ``@pytest.mark.msgpatterns(...)`` (none by default)."""
-    from msgpatterns.testing.plugin import fake_broker_options
-
     broker = AsyncInMemoryBroker(**fake_broker_options(request))
     yield broker
     broker.sync.close()

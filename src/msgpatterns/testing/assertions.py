@@ -6,7 +6,7 @@ import threading
 from collections import Counter
 from collections.abc import Hashable, Iterable
 
-from msgpatterns.brokers.memory import InMemoryBroker
+from msgpatterns.brokers.memory.broker import InMemoryBroker
 from msgpatterns.deadletter import DeadLetter
 
 __all__ = ["EffectLog", "assert_all_acked", "assert_dead_lettered", "assert_no_dead_letters"]

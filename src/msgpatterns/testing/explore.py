@@ -38,7 +38,7 @@ from typing import Any
 
 from msgpatterns._callables import require_sync_callable
 from msgpatterns._extras import require
-from msgpatterns.errors import ConfigurationError, NeedRetry, Reject, describe
+from msgpatterns.errors import ConfigurationError, NeedRetry, Reject, ScheduleFailure, describe
 from msgpatterns.idempotency.batch import guard_of
 from msgpatterns.idempotency.memory import MemoryChecker
 from msgpatterns.message import Message
@@ -53,11 +53,6 @@ class Fault(enum.Enum):
     #: The handler ran to the end, then the ack never reached the broker (a crash
     #: after the handler, a dropped connection): the message comes back.
     ACK_LOST = "ack-lost"
-
-
-class ScheduleFailure(AssertionError):
-    """The invariant (or the handler, unexpectedly) failed on a schedule; the message
-    holds the minimal schedule as a story."""
 
 
 @dataclass

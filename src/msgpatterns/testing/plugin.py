@@ -16,19 +16,16 @@ from typing import Any
 
 import pytest
 
-from msgpatterns.brokers.memory import InMemoryBroker
+from msgpatterns.brokers.memory.broker import InMemoryBroker
 from msgpatterns.consumer import Consumer
 from msgpatterns.message import Message
+from msgpatterns.testing._markers import fake_broker_options
 from msgpatterns.testing.aio_fixtures import aconsume, async_fake_broker  # noqa: F401
 from msgpatterns.testing.assertions import EffectLog
 from msgpatterns.testing.checker_fixtures import memory_checker, redis_checker, sql_checker  # noqa: F401
 
 ConsumeFn = Callable[..., Consumer]
 
-
-#: Options the ``msgpatterns`` marker passes to the ``fake_broker`` fixture.
-_MARKER_OPTIONS = ("seed", "duplicate_rate", "reorder_window", "lost_ack_rate",
-                   "visibility_timeout")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,23 +34,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "msgpatterns(seed=0, duplicate_rate=0.0, reorder_window=0, lost_ack_rate=0.0, "
         "visibility_timeout=900.0): faults the fake_broker fixture injects",
     )
-
-
-def fake_broker_options(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """The fake broker's options from the closest ``@pytest.mark.msgpatterns(...)``."""
-    options: dict[str, Any] = {"seed": 0}
-    marker = request.node.get_closest_marker("msgpatterns")
-    if marker is not None:
-        if marker.args:
-            raise pytest.UsageError("@pytest.mark.msgpatterns takes keyword arguments only")
-        unknown = set(marker.kwargs) - set(_MARKER_OPTIONS)
-        if unknown:
-            raise pytest.UsageError(
-                f"@pytest.mark.msgpatterns: unknown option(s) {sorted(unknown)}; "
-                f"known: {', '.join(_MARKER_OPTIONS)}"
-            )
-        options.update(marker.kwargs)
-    return options
 
 
 @pytest.fixture

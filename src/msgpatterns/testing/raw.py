@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from msgpatterns._callables import require_sync_callable
-from msgpatterns.brokers.memory import InMemoryBroker
+from msgpatterns.brokers.memory.broker import InMemoryBroker
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import ConfigurationError, Reject
 from msgpatterns.message import Message

@@ -4,11 +4,15 @@ Every adapter hands out its admin with ``broker.dead_letter_admin()`` (the async
 adapters too: the wire format is shared, so one admin reads what sync and async
 consumers dead-lettered). ``msgpatterns dlq`` drives the protocol and nothing else.
 
-* ``InMemoryBroker``: :class:`~.memory.InMemoryDeadLetters`
-* ``RedisStreamsBroker``: :class:`~.redis_streams.RedisStreamsDeadLetters`
-* ``RabbitMQBroker``: :class:`~.rabbitmq.RabbitMQDeadLetters`
-* ``KafkaBroker``: :class:`~.kafka.KafkaDeadLetters`
-* ``NatsJetStreamBroker``: :class:`~.nats_jetstream.NatsJetStreamDeadLetters`
+* ``InMemoryBroker``: :class:`~msgpatterns.brokers.memory.admin.InMemoryDeadLetters`
+* ``RedisStreamsBroker``: :class:`~msgpatterns.brokers.redis.admin.RedisStreamsDeadLetters`
+* ``RabbitMQBroker``: :class:`~msgpatterns.brokers.rabbitmq.admin.RabbitMQDeadLetters`
+* ``KafkaBroker``: :class:`~msgpatterns.brokers.kafka.admin.KafkaDeadLetters`
+* ``NatsJetStreamBroker``: :class:`~msgpatterns.brokers.nats.admin.NatsJetStreamDeadLetters`
+
+Each lives in its broker's package (``msgpatterns.brokers.<broker>.admin``); the
+modules ``msgpatterns.brokers.admin.<broker>`` re-export them. :mod:`.base` holds what
+they share.
 """
 
 from __future__ import annotations
@@ -24,11 +28,11 @@ from msgpatterns.brokers.admin.base import (
 )
 
 if TYPE_CHECKING:
-    from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
-    from msgpatterns.brokers.admin.memory import InMemoryDeadLetters
-    from msgpatterns.brokers.admin.nats_jetstream import NatsJetStreamDeadLetters
-    from msgpatterns.brokers.admin.rabbitmq import RabbitMQDeadLetters
-    from msgpatterns.brokers.admin.redis_streams import RedisStreamsDeadLetters
+    from msgpatterns.brokers.kafka.admin import KafkaDeadLetters
+    from msgpatterns.brokers.memory.admin import InMemoryDeadLetters
+    from msgpatterns.brokers.nats.admin import NatsJetStreamDeadLetters
+    from msgpatterns.brokers.rabbitmq.admin import RabbitMQDeadLetters
+    from msgpatterns.brokers.redis.admin import RedisStreamsDeadLetters
 
 __all__ = [
     "DeadLetterAdmin",
@@ -43,9 +47,9 @@ __all__ = [
 ]
 
 __getattr__ = lazy_attributes(__name__, {
-    "InMemoryDeadLetters": "msgpatterns.brokers.admin.memory",
-    "RedisStreamsDeadLetters": "msgpatterns.brokers.admin.redis_streams",
-    "RabbitMQDeadLetters": "msgpatterns.brokers.admin.rabbitmq",
-    "KafkaDeadLetters": "msgpatterns.brokers.admin.kafka",
-    "NatsJetStreamDeadLetters": "msgpatterns.brokers.admin.nats_jetstream",
+    "InMemoryDeadLetters": "msgpatterns.brokers.memory.admin",
+    "RedisStreamsDeadLetters": "msgpatterns.brokers.redis.admin",
+    "RabbitMQDeadLetters": "msgpatterns.brokers.rabbitmq.admin",
+    "KafkaDeadLetters": "msgpatterns.brokers.kafka.admin",
+    "NatsJetStreamDeadLetters": "msgpatterns.brokers.nats.admin",
 })

@@ -1,85 +1,8 @@
-"""NatsJetStreamDeadLetters: the dead-letter admin of NATS JetStream.
-
-Dead letters of every group are messages on the subject ``<topic>.__dlq`` of the
-topic's stream, each carrying the full record. A replay publishes the message to
-``<topic>.__retry.<group>`` (the group that dead-lettered it) or ``<topic>`` (every
-group) and deletes the dead letter only after the stream confirmed the copy.
-"""
+"""Moved to :mod:`msgpatterns.brokers.nats.admin`; this module re-exports it so that old imports
+work."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
-
-from nats.js import api as js_api
-
-from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers.admin.base import ScannedDeadLetters
-from msgpatterns.brokers.nats_jetstream import NatsJetStreamBroker, nats
-from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.brokers.nats.admin import NatsJetStreamDeadLetters
 
 __all__ = ["NatsJetStreamDeadLetters"]
-
-
-class NatsJetStreamDeadLetters(ScannedDeadLetters):
-    """List, replay and purge the dead letters of NATS JetStream topics, on
-    ``broker``'s connection and I/O thread."""
-
-    def __init__(self, broker: NatsJetStreamBroker) -> None:
-        self._broker = broker
-
-    def knows(self, topic: str, group: str | None = None) -> bool:
-        return self._broker.has_topic(topic)
-
-    def _scan(self, topic: str) -> list[DeadLetter]:
-        return self._broker._run(self._dead_letters(topic))
-
-    def _replay(self, topic: str, record: DeadLetter, owner: str | None) -> None:
-        b = self._broker
-        subject = topic if owner is None else b.retry_subject(topic, owner)
-        b._run(b._send(topic, subject, body_bytes(record.message.raw_body),
-                       codec.replay_headers(record, group=owner), None))
-        b._run(self._delete(topic, int(record.extra["dlq_seq"])))
-
-    def _remove(self, topic: str, records: Sequence[DeadLetter]) -> None:
-        for record in records:
-            self._broker._run(self._delete(topic, int(record.extra["dlq_seq"])))
-
-    async def _dead_letters(self, topic: str) -> list[DeadLetter]:
-        b = self._broker
-        stream = await b._existing(topic)
-        if stream is None:  # an admin read never creates a stream
-            return []
-        sub = await b._js.pull_subscribe(
-            b.dead_letter_subject(topic), stream=stream,
-            config=js_api.ConsumerConfig(
-                ack_policy=js_api.AckPolicy.NONE, deliver_policy=js_api.DeliverPolicy.ALL,
-                inactive_threshold=30.0,
-            ),
-        )
-        records: list[DeadLetter] = []
-        try:
-            while True:
-                try:
-                    msgs = await sub.fetch(256, timeout=0.2)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    break
-                for msg in msgs:
-                    seq = msg.metadata.sequence.stream
-                    records.append(codec.read_dead_letter(
-                        msg.data, msg.headers or {}, fallback_id=f"{stream}:{seq}",
-                        fallback_topic=topic, location={"dlq_seq": str(seq)},
-                    ))
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-            with contextlib.suppress(nats.errors.Error):
-                await b._js.delete_consumer(stream, sub._consumer)
-        return records
-
-    async def _delete(self, topic: str, seq: int) -> None:
-        await self._broker._js.delete_msg(self._broker.stream_name(topic), seq)
-
-    def __repr__(self) -> str:
-        return f"NatsJetStreamDeadLetters({self._broker!r})"

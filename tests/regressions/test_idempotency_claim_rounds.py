@@ -1,4 +1,5 @@
-"""Issue 19, hole 1: batch claims applied effects twice.
+"""Idempotency, batch claims (claim rounds): they used to apply effects twice (issue 19,
+hole 1).
 
 An ``@idempotent`` handler on a lease checker (MemoryChecker, a real Redis), batch claims
 on (the default), ``Consumer`` and ``AsyncConsumer``. In one claim round one handler is

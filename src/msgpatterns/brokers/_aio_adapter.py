@@ -60,6 +60,10 @@ class AsyncBrokerAdapter(Closable):
     async def close(self) -> None:
         """Send what is queued, release connections; idempotent."""
 
+    async def aclose(self) -> None:
+        """:meth:`close`, under the name every async part of msgpatterns has."""
+        await self.close()
+
     async def __aenter__(self) -> Self:
         return self
 

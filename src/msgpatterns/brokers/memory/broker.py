@@ -20,20 +20,25 @@ import random
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
-from msgpatterns.brokers._adapter import BrokerAdapter
+from msgpatterns.brokers import codec
+from msgpatterns.brokers._adapter import BrokerAdapter, admin_for
 from msgpatterns.brokers._batch import outgoing
+from msgpatterns.brokers.admin.base import DeadLetterAdmin
+from msgpatterns.brokers.memory._state import (
+    Entry,
+    Lane,
+    Picked,
+    Receipt,
+    drop_settled_leases,
+)
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.delivery import Delivery, receipt_of
 from msgpatterns.errors import MAX_DURATION, ConfigurationError, seconds
 from msgpatterns.message import Message
-
-if TYPE_CHECKING:
-    from msgpatterns.brokers.admin.memory import InMemoryDeadLetters
 
 __all__ = ["BrokerEvent", "BrokerStats", "InMemoryBroker", "VirtualClock"]
 
@@ -113,45 +118,6 @@ class BrokerStats:
     dead_letters: int = 0
 
 
-@dataclass(slots=True)
-class _Entry:
-    uid: int
-    id: str
-    topic: str
-    body: Any
-    key: str | None
-    headers: dict[str, str]
-    timestamp: float
-    offset: int
-
-
-class _Receipt(NamedTuple):
-    """One delivery's handle (immutable; a tuple: cheap to make per delivery)."""
-
-    group: str
-    topic: str
-    uid: int
-    token: int
-
-
-#: One delivery picked under the lock: (entry, headers, attempt, receipt).
-_Picked = tuple[_Entry, dict[str, str], int, _Receipt]
-
-
-@dataclass
-class _Lane:
-    """The state of one consumer group on one topic."""
-
-    ready: deque[_Entry] = field(default_factory=deque)
-    delayed: list[tuple[float, int, _Entry]] = field(default_factory=list)
-    inflight: dict[int, tuple[int, float, _Entry]] = field(default_factory=dict)
-    leases: list[tuple[float, int, int]] = field(default_factory=list)  # (deadline, token, uid)
-    deliveries: dict[int, int] = field(default_factory=dict)
-    headers: dict[int, dict[str, str]] = field(default_factory=dict)
-    done: dict[int, tuple[str, int]] = field(default_factory=dict)  # uid -> (state, token)
-    entries: int = 0
-
-
 class InMemoryBroker(BrokerAdapter):
     """An in-process broker with real at-least-once semantics and fault injection.
 
@@ -201,8 +167,8 @@ class InMemoryBroker(BrokerAdapter):
         self._seeded = seed is not None
         self._lock = threading.Lock()  # the condition's lock (taken bare on hot paths)
         self._cond = threading.Condition(self._lock)
-        self._topics: dict[str, list[_Entry]] = {}
-        self._lanes: dict[tuple[str, str], _Lane] = {}  # (group, topic) -> lane
+        self._topics: dict[str, list[Entry]] = {}
+        self._lanes: dict[tuple[str, str], Lane] = {}  # (group, topic) -> lane
         self._uids = itertools.count(1)
         self._tokens = itertools.count(1)
         self._acked: list[Message] = []
@@ -245,7 +211,7 @@ class InMemoryBroker(BrokerAdapter):
             id = uuid.UUID(int=self._rng.getrandbits(128), version=4).hex if self._seeded \
                 else uuid.uuid4().hex
         log_ = self._topics.setdefault(topic, [])
-        entry = _Entry(
+        entry = Entry(
             next(self._uids), id, topic, body, key, dict(headers or {}),
             self.clock.now(), len(log_),
         )
@@ -281,7 +247,7 @@ class InMemoryBroker(BrokerAdapter):
         fetch after it raises BrokerClosed.
         """
         give_up = time.monotonic() + _duration(timeout, "fetch timeout")
-        picked: list[_Picked] = []
+        picked: list[Picked] = []
         with self._cond:
             self._check_open()
             lanes = [(t, self._lane(group, t)) for t in topics]
@@ -290,7 +256,7 @@ class InMemoryBroker(BrokerAdapter):
                 for topic, lane in lanes:
                     self._promote(group, lane, now)
                     if len(lane.leases) > 2 * len(lane.inflight) + 256:
-                        _drop_settled_leases(lane)
+                        drop_settled_leases(lane)
                     if lane.ready and len(picked) < max_messages:
                         self._deliver(group, topic, lane, now, max_messages, picked)
                 if picked or self._closed:
@@ -311,8 +277,8 @@ class InMemoryBroker(BrokerAdapter):
 
     def ack(self, message: Message) -> None:
         receipt = message.delivery.receipt
-        if type(receipt) is not _Receipt:
-            receipt = receipt_of(message, _Receipt, _OWNER)
+        if type(receipt) is not Receipt:
+            receipt = receipt_of(message, Receipt, _OWNER)
         group, topic, uid, token = receipt
         with self._lock:  # the hot path: the bare lock (an ack wakes nobody)
             if self._closed:
@@ -341,7 +307,7 @@ class InMemoryBroker(BrokerAdapter):
         """Redeliver after ``delay`` seconds (virtual). A negative, NaN, infinite or
         huge delay raises ConfigurationError and changes nothing."""
         delay = _duration(delay, "nack delay")
-        receipt = receipt_of(message, _Receipt, _OWNER)
+        receipt = receipt_of(message, Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -360,7 +326,7 @@ class InMemoryBroker(BrokerAdapter):
             self._cond.notify_all()
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
-        receipt = receipt_of(message, _Receipt, _OWNER)
+        receipt = receipt_of(message, Receipt, _OWNER)
         with self._cond:
             self._check_open()
             lane = self._lanes[(receipt.group, receipt.topic)]
@@ -455,31 +421,80 @@ class InMemoryBroker(BrokerAdapter):
         """True once :meth:`close` was called."""
         return self._closed
 
-    def dead_letter_admin(self) -> InMemoryDeadLetters:
-        """List, replay and purge :attr:`dead_letters` by topic and group."""
-        from msgpatterns.brokers.admin.memory import InMemoryDeadLetters
+    def dead_letter_admin(self) -> DeadLetterAdmin:
+        """List, replay and purge :attr:`dead_letters` by topic and group
+        (:class:`~msgpatterns.brokers.memory.admin.InMemoryDeadLetters`)."""
+        return admin_for("msgpatterns.brokers.memory.admin:InMemoryDeadLetters", self)
 
-        return InMemoryDeadLetters(self)
+    # -- steps the dead-letter admin builds on ----------------------------------------
+
+    def knows_topic(self, topic: str) -> bool:
+        """True when ``topic`` has had a message or has a dead letter."""
+        with self._cond:
+            return topic in self._topics or any(r.message.topic == topic
+                                                for r in self._dead)
+
+    def dead_letters_of(self, topic: str) -> list[DeadLetter]:
+        """The dead letters of ``topic``, oldest first."""
+        with self._cond:
+            self._check_open()
+            return [r for r in self._dead if r.message.topic == topic]
+
+    def replay_dead_letter(self, record: DeadLetter, topic: str, owner: str | None) -> None:
+        """Send ``record``'s message back with its attempts reset (its user headers
+        only) - to ``owner``'s redeliveries, or to ``topic`` for every group when None -
+        and drop the record; nothing when it was replayed or purged meanwhile."""
+        m = record.message
+        headers = codec.user_headers(record)
+        with self._cond:
+            self._check_open()
+            if not self._forget([record]):
+                return  # replayed or purged meanwhile
+            if owner is None:
+                self._append(topic, m.body, m.key, headers, m.id)
+                return
+            lane = self._lane(owner, topic)
+            lane.ready.append(Entry(next(self._uids), m.id or "", topic, m.body, m.key,
+                                    headers, m.timestamp or self.clock.now(),
+                                    m.offset or 0))
+            lane.entries += 1
+            self._event("replay", m.id, owner, 0)
+            self._cond.notify_all()
+
+    def forget_dead_letters(self, records: Sequence[DeadLetter]) -> None:
+        """Drop ``records`` from :attr:`dead_letters`."""
+        with self._cond:
+            self._check_open()
+            self._forget(records)
 
     def __repr__(self) -> str:
         return "InMemoryBroker()"
 
     # -- internals --------------------------------------------------------------------
 
-    def _lane(self, group: str, topic: str) -> _Lane:
+    def _forget(self, records: Sequence[DeadLetter]) -> bool:
+        """Drop ``records`` from the dead letters (lock held); False when none of them
+        was there any more."""
+        doomed = {id(r) for r in records}
+        kept = [r for r in self._dead if id(r) not in doomed]
+        found = len(kept) != len(self._dead)
+        self._dead[:] = kept
+        return found
+
+    def _lane(self, group: str, topic: str) -> Lane:
         lane = self._lanes.get((group, topic))
         if lane is None:
-            lane = _Lane()
+            lane = Lane()
             entries = self._topics.setdefault(topic, [])
             lane.ready.extend(entries)
             lane.entries = len(entries)
             self._lanes[(group, topic)] = lane
         return lane
 
-    def _promote(self, group: str, lane: _Lane, now: float) -> None:
+    def _promote(self, group: str, lane: Lane, now: float) -> None:
         while lane.delayed and lane.delayed[0][0] <= now:
             lane.ready.append(heapq.heappop(lane.delayed)[2])
-        timed_out: list[_Entry] = []
+        timed_out: list[Entry] = []
         while lane.leases and lane.leases[0][0] <= now:
             _, token, uid = heapq.heappop(lane.leases)
             held = lane.inflight.get(uid)
@@ -492,7 +507,7 @@ class InMemoryBroker(BrokerAdapter):
             timed_out.sort(key=lambda entry: (entry.offset, entry.uid))
             lane.ready.extendleft(reversed(timed_out))
 
-    def _next_due(self, lanes: Sequence[tuple[str, _Lane]]) -> float | None:
+    def _next_due(self, lanes: Sequence[tuple[str, Lane]]) -> float | None:
         due: float | None = None
         for _, lane in lanes:
             if lane.ready:
@@ -509,8 +524,8 @@ class InMemoryBroker(BrokerAdapter):
                 due = c if due is None else min(due, c)
         return due
 
-    def _deliver(self, group: str, topic: str, lane: _Lane, now: float, most: int,
-                 out: list[_Picked]) -> None:
+    def _deliver(self, group: str, topic: str, lane: Lane, now: float, most: int,
+                 out: list[Picked]) -> None:
         """Deliver ready messages of ``lane`` into ``out`` until it holds ``most`` (lock
         held; the caller builds their messages)."""
         ready, deliveries, inflight = lane.ready, lane.deliveries, lane.inflight
@@ -535,7 +550,7 @@ class InMemoryBroker(BrokerAdapter):
             if self.record_history:
                 self._event("deliver", entry.id, group, attempt)
             if self.duplicate_rate and rng.random() < self.duplicate_rate:
-                copy = _Entry(
+                copy = Entry(
                     next(self._uids), entry.id, entry.topic, entry.body, entry.key,
                     entry.headers, entry.timestamp, entry.offset,
                 )
@@ -545,10 +560,10 @@ class InMemoryBroker(BrokerAdapter):
                 self._event("duplicate", entry.id, group, attempt)
             # (headers dicts are replaced, never changed: safe to copy after the lock)
             out.append((entry, redelivered_headers.get(uid, entry.headers), attempt,
-                        _Receipt(group, topic, uid, token)))
+                        Receipt(group, topic, uid, token)))
 
     @staticmethod
-    def _to_message(entry: _Entry, headers: Mapping[str, str], attempt: int) -> Message:
+    def _to_message(entry: Entry, headers: Mapping[str, str], attempt: int) -> Message:
         return Message(
             entry.body,
             id=entry.id,
@@ -567,16 +582,6 @@ class InMemoryBroker(BrokerAdapter):
             self.history.append(
                 BrokerEvent(kind, message_id, group, attempt, self.clock.now(), delay)
             )
-
-
-def _drop_settled_leases(lane: _Lane) -> None:
-    """Drop the leases of settled (or redelivered) deliveries at once, instead of one
-    heap pop each when they come due: the heap stays about as large as what is in
-    flight, however long the broker runs."""
-    inflight = lane.inflight
-    lane.leases = [lease for lease in lane.leases
-                   if inflight.get(lease[2], (None,))[0] == lease[1]]
-    heapq.heapify(lane.leases)
 
 
 def _check_topic(topic: object) -> None:

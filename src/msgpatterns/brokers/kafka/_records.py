@@ -1,7 +1,7 @@
 """What the Kafka adapters share, whatever client reads the records: the offset
 tracker (commit only the contiguous settled prefix of a partition), the check that a
 record can be handed out faithfully, and the record -> :class:`Message` /
-:class:`DeadLetter` mapping of the wire format (:mod:`._codec`).
+:class:`DeadLetter` mapping of the wire format (:mod:`msgpatterns.brokers.codec`).
 
 It imports no Kafka client: the sync adapter (confluent-kafka) and the asyncio adapter
 (aiokafka) both call it, so a record means the same to both.
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from msgpatterns import headers as h
 from msgpatterns._redact import redact_url
-from msgpatterns.brokers import _codec as codec
+from msgpatterns.brokers import codec
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import ConfigurationError, MalformedMessage
 from msgpatterns.limits import MessageTooLarge, oversize_reason
@@ -38,7 +38,7 @@ class OffsetTracker:
     unsettled offset, whatever order settlements arrive in.
     """
 
-    __slots__ = ("_done", "_last", "_open", "_pending", "committed", "epoch")
+    __slots__ = ("_done", "_last", "_open", "_pending", "committed", "confirmed", "epoch")
 
     def __init__(self, epoch: int = 0) -> None:
         self.epoch = epoch
@@ -46,7 +46,8 @@ class OffsetTracker:
         self._open: set[int] = set()  # the same offsets, for lookups
         self._done: set[int] = set()  # the settled ones among them
         self._last: int | None = None
-        self.committed: int | None = None
+        self.committed: int | None = None  # the last offset sent to be committed
+        self.confirmed: int | None = None  # the highest one the cluster confirmed
 
     def delivered(self, offset: int) -> None:
         """``offset`` was handed out (offsets arrive in increasing order)."""
@@ -157,6 +158,25 @@ class GroupState:
             if position is not None and position != tracker.committed:
                 out[where] = tracker.committed = position
         return out
+
+    def commits_confirmed(self, confirmed: Iterable[tuple[Where, int]]) -> list[Where]:
+        """Successful commit outcomes, in the order they arrived; the partitions to
+        commit again. Outcomes arrive in the order the cluster applied the commits, and
+        a commit retried by the client after its coordinator came back can land after
+        newer ones: an outcome below one already confirmed moved the committed offset
+        back, so that partition's settled prefix is committed again (never left behind,
+        which would redeliver settled records after a restart)."""
+        stale: list[Where] = []
+        for where, offset in confirmed:
+            tracker = self.trackers.get(where)
+            if tracker is None:
+                continue
+            if tracker.confirmed is not None and offset < tracker.confirmed:
+                tracker.committed = None
+                stale.append(where)
+            else:
+                tracker.confirmed = offset
+        return stale
 
     def forget_commits(self, partitions: Iterable[Where]) -> None:
         for where in partitions:

@@ -50,28 +50,27 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._escape import escape_control
-from msgpatterns._extras import require
-from msgpatterns.brokers import _codec as codec
-from msgpatterns.brokers._adapter import BrokerAdapter
+from msgpatterns.brokers import codec
+from msgpatterns.brokers._adapter import BrokerAdapter, admin_for
 from msgpatterns.brokers._batch import failed, outgoing
-from msgpatterns.brokers._kafka_records import (
+from msgpatterns.brokers.admin.base import DeadLetterAdmin
+from msgpatterns.brokers.kafka._groups import GroupConsumers
+from msgpatterns.brokers.kafka._link import LibrdkafkaLog, Lifecycle, kafka, kafka_error
+from msgpatterns.brokers.kafka._produce import Producing
+from msgpatterns.brokers.kafka._records import (
     GroupState,
     KafkaReceipt,
     OffsetTracker,
-    RecordView,
     bootstrap_servers,
-    judge,
-    malformed_letter,
 )
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
-    BrokerClosed,
     BrokerError,
     BrokerUnavailable,
     ConfigurationError,
@@ -79,11 +78,6 @@ from msgpatterns.errors import (
 )
 from msgpatterns.limits import DEFAULT_MAX_MESSAGE_BYTES, check_max_message_bytes
 from msgpatterns.message import Message
-
-kafka = require("confluent_kafka", "kafka")
-
-if TYPE_CHECKING:
-    from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
 
 __all__ = ["KafkaBroker", "OffsetTracker"]
 
@@ -95,89 +89,11 @@ log = logging.getLogger("msgpatterns.brokers.kafka")
 #: Header of a dead-letter-topic marker record (moved to the codec; kept for imports).
 DLQ_REMOVES = codec.REMOVES
 
-#: librdkafka's own log (connection attempts, ...), forwarded at DEBUG.
-rdkafka_log = logging.getLogger("msgpatterns.brokers.kafka.librdkafka")
-
 #: Longest single wait inside a fetch: how soon a fetch notices close().
 _FETCH_SLICE = 0.1
 
-_UNAVAILABLE_CODES = frozenset(
-    getattr(kafka.KafkaError, name) for name in (
-        "_TRANSPORT", "_ALL_BROKERS_DOWN", "_TIMED_OUT", "_MSG_TIMED_OUT", "_RESOLVE",
-        "_TIMED_OUT_QUEUE", "NETWORK_EXCEPTION", "REQUEST_TIMED_OUT",
-        "BROKER_NOT_AVAILABLE", "LEADER_NOT_AVAILABLE",
-    ) if hasattr(kafka.KafkaError, name)
-)
 
-
-class _LibrdkafkaLog:
-    """The ``logger`` given to librdkafka: every line goes to :data:`rdkafka_log` at
-    DEBUG (errors reach callers as exceptions, not as log spam on stderr)."""
-
-    def log(self, level: int, msg: str, *args: Any) -> None:
-        rdkafka_log.debug(msg, *args)
-
-
-def _kafka_error(exc: BaseException, what: str) -> BrokerError:
-    """The library's error for a confluent-kafka exception (keep it as the cause)."""
-    error = exc.args[0] if exc.args else None
-    if isinstance(error, kafka.KafkaError):
-        kind = BrokerUnavailable if error.code() in _UNAVAILABLE_CODES else BrokerError
-        return kind(f"Kafka {what} failed: {error.str()}")
-    return BrokerError(f"Kafka {what} failed: {exc}")
-
-
-class _Lifecycle:
-    """Open until :meth:`close`; counts the operations in progress so that close can
-    wait for them (librdkafka handles must not be closed under a running call)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self.closed = False
-
-    @contextlib.contextmanager
-    def operation(self, what: str) -> Iterator[None]:
-        with self._cond:
-            if self.closed:
-                raise BrokerClosed(f"KafkaBroker.{what}: the broker is closed")
-            self._active += 1
-        try:
-            yield
-        except kafka.KafkaException as exc:
-            raise _kafka_error(exc, what) from exc
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
-
-    def close(self, timeout: float) -> bool:
-        """Refuse new operations and wait up to ``timeout`` for those in progress.
-        False when already closed."""
-        with self._cond:
-            if self.closed:
-                return False
-            self.closed = True
-            if not self._cond.wait_for(lambda: self._active == 0, timeout):
-                log.warning("KafkaBroker.close: operations still running after %gs",
-                            timeout)
-            return True
-
-
-_Receipt = KafkaReceipt
-_Group = GroupState
-
-
-def _view(record: Any) -> RecordView:
-    """A confluent-kafka record as the adapters' client-neutral record."""
-    stamp = record.timestamp()
-    return RecordView(record.topic(), record.partition(), record.offset(), record.key(),
-                      record.value(), tuple(record.headers() or ()),
-                      stamp[1] if stamp[1] > 0 else None)
-
-
-class KafkaBroker(BrokerAdapter):
+class KafkaBroker(GroupConsumers, Producing, BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on Kafka.
 
     Args:
@@ -224,15 +140,15 @@ class KafkaBroker(BrokerAdapter):
                 f"dict, got {url!r}")
         self.delivery_timeout = seconds(delivery_timeout) or 0.0
         self.connect_timeout = seconds(connect_timeout) or 0.0
-        self._base.setdefault("logger", _LibrdkafkaLog())
+        self._base.setdefault("logger", LibrdkafkaLog())
         self._base.setdefault("socket.connection.setup.timeout.ms",
                               max(1000, int(self.connect_timeout * 1000)))
         self._consumer_config = dict(consumer_config or {})
         self.retry_suffix = retry_suffix
         self.dead_letter_suffix = dead_letter_suffix
-        self._life = _Lifecycle()
+        self._life = Lifecycle()
         self._lock = threading.Lock()
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, GroupState] = {}
         self._owns_producer = producer is None
         self._producer = producer if producer is not None else self._client(
             "Producer", {**self._base, "enable.idempotence": True, **(producer_config or {})})
@@ -260,7 +176,7 @@ class KafkaBroker(BrokerAdapter):
             where = self._base.get("bootstrap.servers")
             raise BrokerUnavailable(
                 f"Kafka at {where} did not answer within {self.connect_timeout:g}s "
-                f"({_kafka_error(exc, 'metadata request')}); check the address and that "
+                f"({kafka_error(exc, 'metadata request')}); check the address and that "
                 "the cluster is up") from exc
 
     # -- names ----------------------------------------------------------------------
@@ -383,14 +299,14 @@ class KafkaBroker(BrokerAdapter):
         """Mark the record settled; the next fetch (or :meth:`commit`, or
         :meth:`close`) commits the contiguous settled prefix."""
         with self._life.operation("ack"):
-            self._settled(receipt_of(message, _Receipt, _OWNER))
+            self._settled(receipt_of(message, KafkaReceipt, _OWNER))
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Produce the retry (original payload, current headers, ``attempt + 1``, due
         in ``delay`` seconds) to ``<topic>.retry``; once confirmed, the record is
         settled."""
         with self._life.operation("nack"):
-            r = receipt_of(message, _Receipt, _OWNER)
+            r = receipt_of(message, KafkaReceipt, _OWNER)
             if self._stale(r):
                 log.debug("nack of %s ignored: its partition was revoked",
                           escape_control(message.id))
@@ -404,7 +320,7 @@ class KafkaBroker(BrokerAdapter):
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Produce the record to ``<topic>.DLT``; once confirmed, the record is settled."""
         with self._life.operation("dead_letter"):
-            r = receipt_of(message, _Receipt, _OWNER)
+            r = receipt_of(message, KafkaReceipt, _OWNER)
             if self._stale(r):
                 log.debug("dead letter of %s ignored: its partition was revoked",
                           escape_control(message.id))
@@ -427,29 +343,6 @@ class KafkaBroker(BrokerAdapter):
                         if tracker.committed is not None:
                             out[(group, topic, partition)] = tracker.committed
             return out
-
-    def _close_consumer(self, consumer: Any) -> BaseException | None:
-        """Close ``consumer`` (leave its group) within ``delivery_timeout``: librdkafka's
-        close has no timeout of its own and can block on a broker that never answers,
-        so it runs on a helper thread that is abandoned past the limit. (A stall inside
-        confluent-kafka's rebalance callback, which holds the GIL, cannot be bounded
-        from Python: seen once with a classic-protocol consumer closed mid-join on the
-        mock cluster.)"""
-        outcome: list[BaseException] = []
-
-        def leave() -> None:
-            try:
-                consumer.close()
-            except BaseException as exc:
-                outcome.append(exc)
-
-        closer = threading.Thread(target=leave, name="msgpatterns-kafka-close", daemon=True)
-        closer.start()
-        closer.join(self.delivery_timeout)
-        if closer.is_alive():
-            return BrokerUnavailable(
-                f"a consumer did not leave its group within {self.delivery_timeout:g}s")
-        return outcome[0] if outcome else None
 
     def close(self) -> None:
         """Wait for operations in progress, commit the settled prefixes
@@ -484,7 +377,7 @@ class KafkaBroker(BrokerAdapter):
             first = failures[0]
             if isinstance(first, BrokerError):
                 raise first
-            raise _kafka_error(first, "close") from first
+            raise kafka_error(first, "close") from first
 
     def _close_producer(self) -> None:
         if self._owns_producer:
@@ -493,249 +386,35 @@ class KafkaBroker(BrokerAdapter):
 
     # -- dead-letter admin ----------------------------------------------------------
 
-    def dead_letter_admin(self) -> KafkaDeadLetters:
-        """The admin of the ``<topic>.DLT`` topics, on this broker's producer."""
-        from msgpatterns.brokers.admin.kafka import KafkaDeadLetters
+    def dead_letter_admin(self) -> DeadLetterAdmin:
+        """The admin of the ``<topic>.DLT`` topics
+        (:class:`~msgpatterns.brokers.kafka.admin.KafkaDeadLetters`), on this broker's
+        producer."""
+        return admin_for("msgpatterns.brokers.kafka.admin:KafkaDeadLetters", self)
 
-        return KafkaDeadLetters(self)
+    # -- steps the dead-letter admin builds on ----------------------------------------
 
-    # -- internals --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def operation(self, what: str) -> Iterator[None]:
+        """A step that uses this broker's clients: refused at once after :meth:`close`
+        (:class:`~msgpatterns.errors.BrokerClosed`), waited for by :meth:`close`, and
+        confluent-kafka's exceptions come out as the library's own."""
+        with self._life.operation(what):
+            yield
 
-    def _group(self, group: str, topics: Sequence[str]) -> _Group:
-        state = self._groups.get(group)
-        wanted = tuple(topics)
-        if state is not None and state.topics == wanted:
-            return state
-        if state is None:
-            consumer = self._client("Consumer", {
-                **self._base,
-                "auto.offset.reset": "earliest",
-                **self._consumer_config,
-                "group.id": group,
-                "enable.auto.commit": False,
-                "on_commit": self._on_commit,
-            })
-            state = _Group(consumer, wanted)
-            self._groups[group] = state
-        self._subscribe(state, wanted)
-        return state
+    def topic_names(self) -> set[str]:
+        """The names of every topic of the cluster (asking for one topic could
+        auto-create it), within ``connect_timeout``."""
+        return set(self._producer.list_topics(timeout=self.connect_timeout).topics)
 
-    def _adopt(self, group: str, consumer: Any, topics: Sequence[str]) -> _Group:
-        """Run ``group`` on a consumer the caller created and owns (a raw poll loop:
-        :mod:`msgpatterns.raw.kafka`): the same subscription to ``topics`` and their
-        retry topics, rebalance callbacks and offset trackers as a fetch's own.
-        :meth:`close` closes it; :meth:`_release` hands it back instead."""
-        if group in self._groups:
-            raise ConfigurationError(f"{self!r} already consumes group {group!r}")
-        state = _Group(consumer)
-        self._groups[group] = state
-        self._subscribe(state, tuple(topics))
-        return state
-
-    def _release(self, group: str) -> None:
-        """Forget an adopted group without closing its consumer."""
-        self._groups.pop(group, None)
-
-    def _subscribe(self, state: _Group, wanted: tuple[str, ...]) -> None:
-        """Subscribe ``state``'s consumer to ``wanted`` and their retry topics."""
-        state.topics = wanted
-        state.retry_topics = {self.retry_topic(t): t for t in wanted}
-        self._touch([*wanted, *state.retry_topics])
-        subscribed = state  # bound for the callbacks below
-        state.consumer.subscribe(
-            [*wanted, *state.retry_topics],
-            on_assign=lambda consumer, parts: self._on_assign(subscribed, parts),
-            on_revoke=lambda consumer, parts: self._on_revoke(subscribed, consumer, parts),
-            on_lost=lambda consumer, parts: self._on_revoke(subscribed, None, parts),
-        )
-
-    def _touch(self, topics: Sequence[str]) -> None:
-        """Ask for the topics' metadata through the producer, which makes a cluster
-        that auto-creates topics create them now, before the subscription looks."""
-        for topic in topics:
-            try:
-                self._producer.list_topics(topic, timeout=self.connect_timeout)
-            except kafka.KafkaException as exc:
-                log.debug("metadata for %s: %s", topic, exc)
-
-    def _accept(self, state: _Group, group: str, record: Any, now: float) -> Message | None:
-        """The message for ``record``, or None when it is not for this consumer now."""
-        error = record.error()
-        if error is not None:
-            if error.code() != kafka.KafkaError._PARTITION_EOF:
-                log.warning("%s: consumer error: %s", group, error)
-            return None
-        where = (record.topic(), record.partition())
-        offset = record.offset()
-        with self._lock:
-            if where in state.paused:
-                return None  # read past a paused retry; re-read after resuming
-            tracker = state.tracker(where)
-        view = _view(record)
-        verdict = judge(view, state.retry_topics, group, now,
-                        limit=self.max_message_bytes)
-        if verdict.action == "reject":
-            assert verdict.problem is not None
-            self._reject_malformed(group, view, verdict.topic, tracker, verdict.problem, now,
-                                   too_large=verdict.too_large)
-            return None
-        if verdict.action == "wait":
-            assert verdict.due_at is not None
-            self._pause(state, view.read_topic, view.partition, offset, verdict.due_at)
-            return None
-        with self._lock:
-            tracker.delivered(offset)
-            if verdict.action == "skip":  # another group's retry: nothing to do here
-                tracker.settled(offset)
-                return None
-        message = verdict.message
-        assert message is not None
-        message.receipt = _Receipt(group, view.read_topic, view.partition, offset,
-                                   tracker.epoch)
-        return message
-
-    def _reject_malformed(self, group: str, record: RecordView, topic: str,
-                          tracker: OffsetTracker, problem: str, now: float, *,
-                          too_large: bool = False) -> None:
-        """Dead-letter a record the adapter cannot hand out faithfully (raw value and
-        header bytes kept, the reason in the record; ``too_large``: over
-        ``max_message_bytes``); settled once confirmed."""
-        letter, unreadable = malformed_letter(record, topic, group, problem, now,
-                                              too_large=too_large)
-        log.warning("%s: %s %s dead-lettered: %s", group, topic, record.position,
-                    escape_control(problem))
-        self._produce(self.dead_letter_topic(topic), record.value,
-                      letter.message.key, codec.dead_letter_headers(letter),
-                      extra=unreadable)
-        with self._lock:
-            tracker.delivered(record.offset)
-            tracker.settled(record.offset)
-
-    def _rewind(self, state: _Group, record: Any, rewound: set[tuple[str, int]]) -> None:
-        """A record could not be settled at fetch time: read its partition again from
-        it (later records of the partition in this batch are not handed out)."""
-        rewound.add((record.topic(), record.partition()))
-        with contextlib.suppress(kafka.KafkaException):
-            state.consumer.seek(kafka.TopicPartition(record.topic(), record.partition(),
-                                                     record.offset()))
-
-    def _pause(self, state: _Group, topic: str, partition: int, offset: int,
-               due: float) -> None:
-        """Hold a retry partition at ``offset`` until ``due``."""
-        state.consumer.seek(kafka.TopicPartition(topic, partition, offset))
-        state.consumer.pause([kafka.TopicPartition(topic, partition)])
-        with self._lock:
-            state.pause((topic, partition), due)
-
-    def _resume_due(self, state: _Group, now: float) -> None:
-        with self._lock:
-            due = state.due(now)
-        if due:
-            state.consumer.resume([kafka.TopicPartition(t, p) for t, p in due])
-
-    def _on_assign(self, state: _Group, partitions: list[Any]) -> None:
-        with self._lock:
-            state.assigned((tp.topic, tp.partition) for tp in partitions)
-
-    def _on_revoke(self, state: _Group, consumer: Any, partitions: list[Any]) -> None:
-        """Commit the revoked partitions' settled prefix (unless lost) and forget them:
-        their in-flight messages' settlements become no-ops."""
-        with self._lock:
-            positions = state.revoked((tp.topic, tp.partition) for tp in partitions)
-        offsets = [kafka.TopicPartition(t, p, o) for (t, p), o in positions.items()]
-        if consumer is not None and offsets:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except kafka.KafkaException as exc:
-                log.warning("commit on revoke failed (%s); those records will be "
-                            "redelivered", exc)
-
-    def _on_commit(self, error: Any, partitions: list[Any]) -> None:
-        if error is None or error.code() == kafka.KafkaError._NO_OFFSET:
-            return
-        log.warning("offset commit failed (%s); retrying on the next fetch", error)
-        self._forget_commits(list(self._groups.values()), partitions)
-
-    def _forget_commits(self, states: Sequence[_Group], partitions: Sequence[Any]) -> None:
-        """A commit of ``partitions`` failed: the next fetch commits them again."""
-        with self._lock:
-            for state in states:
-                state.forget_commits((tp.topic, tp.partition) for tp in partitions)
-
-    def _commit(self, state: _Group, *, asynchronous: bool,
-                strict: bool = False) -> list[Any]:
-        """Commit the settled prefixes that moved; a failure is logged and retried on
-        the next fetch, or raised when ``strict``."""
-        with self._lock:
-            moved = state.moved()
-        offsets = [kafka.TopicPartition(t, p, o) for (t, p), o in moved.items()]
-        if offsets:
-            try:
-                state.consumer.commit(offsets=offsets, asynchronous=asynchronous)
-            except kafka.KafkaException as exc:
-                self._forget_commits([state], offsets)
-                if strict:
-                    raise _kafka_error(exc, "offset commit") from exc
-                log.warning("offset commit failed (%s); retrying on the next fetch", exc)
-                return []
-        return offsets
-
-    def _stale(self, r: _Receipt) -> bool:
-        state = self._groups.get(r.group)
-        with self._lock:
-            return state is None or state.current(r) is None
-
-    def _settled(self, r: _Receipt) -> None:
-        state = self._groups.get(r.group)
-        with self._lock:
-            tracker = None if state is None else state.current(r)
-            if tracker is not None:
-                tracker.settled(r.offset)
-
-    def _produce(self, topic: str, value: bytes | None, key: str | None,
-                 headers: Mapping[str, str],
-                 extra: Sequence[tuple[str, Any]] = ()) -> tuple[int, int]:
-        """Produce one record (``extra``: raw header pairs appended as they are) and
-        wait for its delivery report; (partition, offset)."""
-        outcome: dict[str, Any] = {}
-        done = threading.Event()
-
-        def on_delivery(error: Any, produced: Any) -> None:
-            outcome["error"], outcome["record"] = error, produced
-            done.set()
-
-        self._send(topic, value, key, headers, on_delivery, extra)
-        give_up = time.monotonic() + self.delivery_timeout
-        while not done.is_set():
-            if time.monotonic() > give_up:
-                raise BrokerUnavailable(f"Kafka produce to {topic}: no delivery report "
-                                        f"within {self.delivery_timeout:g}s")
-            self._producer.poll(0.05)
-        if outcome["error"] is not None:
-            raise _kafka_error(kafka.KafkaException(outcome["error"]), f"produce to {topic}")
-        produced = outcome["record"]
-        return produced.partition(), produced.offset()
-
-    def _send(self, topic: str, value: bytes | None, key: str | None,
-              headers: Mapping[str, str], on_delivery: Any,
-              extra: Sequence[tuple[str, Any]] = ()) -> None:
-        """Hand one record to the producer; while its local queue is full, serve
-        delivery reports and try again (until ``delivery_timeout``)."""
-        give_up = time.monotonic() + self.delivery_timeout
-        while True:
-            try:
-                self._producer.produce(
-                    topic, value=value, key=None if key is None else key.encode("utf-8"),
-                    headers=[*headers.items(), *extra], on_delivery=on_delivery,
-                )
-                return
-            except BufferError as exc:
-                if time.monotonic() > give_up:
-                    raise BrokerUnavailable(f"Kafka produce to {topic}: the producer "
-                                            f"queue stayed full for "
-                                            f"{self.delivery_timeout:g}s") from exc
-                self._producer.poll(0.05)
-
+    def scan_consumer(self, group: str) -> Any:
+        """A new ``confluent_kafka.Consumer`` on this broker's configuration, of
+        ``group``, committing nothing and not stopping at a partition's end: the
+        caller assigns, reads and closes it."""
+        return self._client("Consumer", {
+            **self._base, "group.id": group,
+            "enable.auto.commit": False, "enable.partition.eof": False,
+        })
 
     def __repr__(self) -> str:
         return f"KafkaBroker({self._base.get('bootstrap.servers')!r})"

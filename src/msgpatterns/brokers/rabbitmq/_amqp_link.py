@@ -1,5 +1,6 @@
-"""AmqpLink: one AMQP consume channel of :class:`~msgpatterns.aio.rabbitmq.AsyncRabbitMQBroker`
-and the acks and hand-backs written on it.
+"""AmqpLink: one AMQP consume channel of
+:class:`~msgpatterns.brokers.rabbitmq.aio.AsyncRabbitMQBroker` and the acks and hand-backs
+written on it.
 
 Delivery tags, the ack window and the consumers belong to one channel; a channel that
 closed (or whose connection died) is never written to again, and the adapter opens a
@@ -11,7 +12,7 @@ new link with a fresh window. Guarantees:
   that covers ``t`` (RabbitMQ would close the channel: ``PRECONDITION_FAILED - unknown
   delivery tag``).
 * **An ack covers only settled deliveries of this channel**
-  (:class:`~msgpatterns.brokers._ack_window.AckWindow`): the contiguous settled prefix
+  (:class:`~msgpatterns.brokers.rabbitmq._ack_window.AckWindow`): the contiguous settled prefix
   as one ``basic_ack(multiple=True)``, settled tags above an unsettled one singly. A
   hand-back (``basic_nack`` with requeue) counts as settled only once it is written.
 * **A lost link writes nothing.** Once the channel is gone its deliveries are back on
@@ -34,7 +35,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from msgpatterns.brokers._ack_window import AckWindow
+from msgpatterns.brokers.rabbitmq._ack_window import AckWindow
 
 __all__ = ["AmqpLink"]
 

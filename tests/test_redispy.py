@@ -1,0 +1,162 @@
+"""``msgpatterns._redispy``: the one module that reaches below redis-py's client API.
+
+No other module of the library touches redis-py's connections, raw replies, reply parser
+or hiredis. Each internal the module uses has a fallback to redis-py's own path, taken
+when a release moves it; here each internal is taken away in turn and the fallback must
+give the same replies and the same errors as the fast path, on the real server.
+(``.ci/redis-versions.sh`` runs these and the other Redis tests on the oldest and the
+newest redis-py the package allows.)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("redis")
+import redis
+import redis.asyncio
+from redis.exceptions import DataError, NoScriptError, ResponseError
+
+from msgpatterns import _redispy
+
+SRC = Path(__file__).parent.parent / "src" / "msgpatterns"
+
+#: What only msgpatterns/_redispy.py may use: redis-py's reply parser, an asyncio
+#: connection's stream, a connection's own send/read calls and retry, taking a
+#: connection from a pool, and hiredis.
+BELOW_THE_CLIENT_API = re.compile(
+    r"redis\._parsers|\bhiredis\b|[\"']_writer[\"']|\.read_response\(|\.send_command\("
+    r"|\.send_packed_command\(|\.pack_commands?\(|\.get_connection\(|\.call_with_retry\(")
+
+
+def test_only_redispy_reaches_below_the_client_api() -> None:
+    users = sorted(str(path.relative_to(SRC)) for path in SRC.rglob("*.py")
+                   if BELOW_THE_CLIENT_API.search(path.read_text(encoding="utf-8")))
+    assert users == ["_redispy.py"]
+
+
+# -- the async link: each internal taken away ------------------------------------------
+
+def _no_error_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_redispy, "error_parser", lambda: None)
+
+
+def _no_hiredis(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_redispy, "hiredis_available", lambda: False)
+
+
+def _no_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_redispy, "stream_transport", lambda conn: None)
+
+
+FALLBACKS: dict[str, Callable[[pytest.MonkeyPatch], None] | None] = {
+    "internals": None,
+    "no redis._parsers": _no_error_parser,
+    "no hiredis": _no_hiredis,
+    "no transport": _no_transport,
+}
+
+
+async def _script(link: _redispy.AsyncRedisLink, key: str) -> list[Any]:
+    """A few commands, their replies and errors as (kind, value) pairs."""
+    out: list[Any] = []
+    for args in (("SET", key, "é", "PX", 60_000), ("GET", key), ("INCR", key),
+                 ("NO-SUCH-COMMAND",), ("EVALSHA", "0" * 40, 0), ("GET", object()),
+                 ("DEL", key), ("GET", key)):
+        try:
+            out.append(("reply", await link.call(*args)))
+        except DataError as exc:  # refused before sending: by hiredis or by redis-py
+            out.append((type(exc).__name__, None))
+        except (NoScriptError, ResponseError) as exc:  # the server's answer
+            out.append((type(exc).__name__, str(exc).split(" ")[0]))
+    return out
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("fallback", list(FALLBACKS))
+async def test_each_fallback_gives_the_replies_and_errors_of_the_fast_path(
+    redis_url: str, unique: str, fallback: str, monkeypatch: pytest.MonkeyPatch,
+    anyio_backend: str,
+) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    fast = _redispy.AsyncRedisLink(client)
+    take_away = FALLBACKS[fallback]
+    if take_away is not None:
+        take_away(monkeypatch)
+    link = _redispy.AsyncRedisLink(client)
+    try:
+        expected = await _script(fast, f"redispy:{unique}:fast")
+        got = await _script(link, f"redispy:{unique}:fallback")
+        assert got == expected
+        assert expected[0] in (("reply", b"OK"), ("reply", True))
+        assert [kind for kind, _ in expected[3:6]] == [
+            "ResponseError", "NoScriptError", "DataError"]
+        kinds = {type(conn).__name__ for conn in link._free}
+        fast_path = take_away is None and _redispy.hiredis_available()
+        assert kinds == ({"_Wire"} if fast_path else kinds - {"_Wire"})
+    finally:
+        await fast.aclose()
+        await link.aclose()
+        await client.aclose()
+
+
+# -- a pool connection used directly ----------------------------------------------------
+
+
+class _OldPool:
+    """A pool as redis-py < 5.3 has it: get_connection wants a command name."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def get_connection(self, command_name: str, *keys: Any, **options: Any) -> str:
+        self.asked.append(command_name)
+        return "connection"
+
+
+def test_pool_connection_falls_back_to_a_command_name() -> None:
+    class Client:
+        connection_pool = _OldPool()
+
+    assert _redispy.pool_connection(Client()) == "connection"
+    assert Client.connection_pool.asked == ["XREADGROUP"]
+
+
+@pytest.mark.redis
+def test_commands_on_a_pool_connection_read_raw_replies(redis_url: str, unique: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    key = f"redispy:{unique}:raw"
+    conn = _redispy.pool_connection(client)
+    try:
+        _redispy.send_commands(conn, [("SET", key, "1"), ("INCR", key), ("GET", key),
+                                      ("DEL", key)])
+        assert [_redispy.read_reply(conn) for _ in range(4)] == [b"OK", 2, b"2", 1]
+    finally:
+        _redispy.release(client, conn)
+        client.close()
+
+
+@pytest.mark.redis
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_sync_twin_talks_to_the_same_server(redis_url: str, unique: str,
+                                                      anyio_backend: str) -> None:
+    client = redis.asyncio.Redis.from_url(redis_url)
+    twin = _redispy.sync_twin(client)
+    key = f"redispy:{unique}:twin"
+    try:
+        await client.set(key, "from async", px=60_000)
+        assert twin.get(key) == b"from async"
+        assert twin.connection_pool.connection_kwargs["host"] == \
+            client.connection_pool.connection_kwargs["host"]
+    finally:
+        twin.delete(key)
+        twin.close()
+        await client.aclose()
