@@ -1,6 +1,10 @@
 """Runs an ordered-topic schedule: a publisher, consumers with their own broker
 connections and feeds, random splits, merges and moves, consumer crashes and restarts.
 
+Every schedule runs on either driver (``driver="sync"``: :class:`Consumer`;
+``"async"``: :class:`AsyncConsumer`, as ``OrderedTopic.async_consumer`` builds it, on an
+event loop thread of the run's own) with the same feeds, handler body and assertions.
+
 A crashed consumer behaves like a killed process: from the crash on its handler has no
 effect, nothing it settles reaches the broker (its acks are lost), its feed is never
 closed (its leases run out) and it never fetches again. A restart is a new consumer
@@ -9,14 +13,20 @@ with a new owner id and a new broker connection.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import random
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from claim_drivers import AsyncRunning, Loop, Running, SyncRunning, Until
 from msgpatterns import Consumer, Message, RetryPolicy, idempotent
+from msgpatterns.aio import AsyncConsumer
+from msgpatterns.aio.ordered_topic import topic_consumer
 from msgpatterns.brokers.base import Broker
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.idempotency import MemoryChecker
@@ -103,7 +113,8 @@ def run_schedule(make_broker: Callable[[], Broker], store: RouteStore,
                  steps: list[tuple[str, int, int]], *, seed: int, name: str,
                  consumers: int = 3, fail_rate: float = 0.0, slow_rate: float = 0.0,
                  options: Options | None = None,
-                 on_crash: Callable[[Broker], None] | None = None) -> dict[str, Any]:
+                 on_crash: Callable[[Broker], None] | None = None,
+                 driver: str = "sync") -> dict[str, Any]:
     """Publish per ``steps`` while ``consumers`` consumers consume; return what happened.
 
     Steps: ``("publish", n, _)`` publishes ``1 + n % 8`` messages over 12 keys;
@@ -122,17 +133,19 @@ def run_schedule(make_broker: Callable[[], Broker], store: RouteStore,
     # A dead consumer's claims hold its keys until their lease runs out (the claim
     # holder could still be running): short here, so a takeover goes on quickly.
     checker = MemoryChecker(lease=CLAIM_LEASE)
-    running: list[tuple[Consumer, Mortal]] = []
+    loop = Loop() if driver == "async" else None
+    running: list[tuple[Running, Mortal]] = []
     connections: dict[int, Broker] = {}
     brokers: list[Broker] = [publisher.broker]
 
     def start(index: int) -> None:
         mortal: Mortal | None = None
 
+        def slow() -> bool:
+            return bool(slow_rate) and rng.random() < slow_rate
+
         def effect(message: Message) -> None:
             key, seq = message.key or "", int(message.body)
-            if slow_rate and rng.random() < slow_rate:
-                threading.Event().wait(0.002)
             if fail_rate and (key, seq) not in failed_once and rng.random() < fail_rate:
                 failed_once.add((key, seq))
                 raise RuntimeError("transient")
@@ -145,6 +158,16 @@ def run_schedule(make_broker: Callable[[], Broker], store: RouteStore,
                 seen.effects[(key, seq)] += 1
                 seen.done.notify_all()
 
+        def sync_effect(message: Message) -> None:
+            if slow():
+                threading.Event().wait(0.002)
+            effect(message)
+
+        async def async_effect(message: Message) -> None:
+            if slow():
+                await asyncio.sleep(0.002)
+            effect(message)
+
         broker = make_broker()
         brokers.append(broker)
         topic = OrderedTopic(broker, name, routes=store,
@@ -155,10 +178,20 @@ def run_schedule(make_broker: Callable[[], Broker], store: RouteStore,
         mortal = Mortal(feed)
         connections[id(mortal)] = broker
         # The ordering key is the business key; each message is its own effect.
-        handler = idempotent(checker, key=lambda m: f"{m.key}:{m.body}")(effect)
-        consumer = Consumer(mortal, handler, topics=[name], group="g", ordered=True,
-                            workers=opts.workers, poll_timeout=opts.poll_timeout,
-                            retry=RetryPolicy(backoff=Backoff.fixed(0.0), local_retries=0))
+        claim = idempotent(checker, key=lambda m: f"{m.key}:{m.body}")
+        retry = RetryPolicy(backoff=Backoff.fixed(0.0), local_retries=0)
+        consumer: Running
+        if loop is None:
+            consumer = SyncRunning(Consumer(
+                mortal, claim(sync_effect), topics=[name], group="g", ordered=True,
+                workers=opts.workers, poll_timeout=opts.poll_timeout, retry=retry))
+        else:
+            async def make() -> AsyncConsumer:
+                return topic_consumer(feed, claim(async_effect), broker=mortal,
+                                      max_in_flight=4 * opts.workers,
+                                      poll_timeout=opts.poll_timeout, retry=retry)
+
+            consumer = AsyncRunning(loop, loop.call(make()))
         consumer.start()
         running.append((consumer, mortal))
 
@@ -213,6 +246,8 @@ def run_schedule(make_broker: Callable[[], Broker], store: RouteStore,
             close = getattr(broker, "close", None)
             if close is not None:
                 close()
+        if loop is not None:
+            loop.close()
     return {"published": published, "seen": seen, "finished": finished,
             "routes": publisher.routes(), "crashes": crashes}
 
@@ -238,3 +273,75 @@ def assert_ordered_exactly_once(result: dict[str, Any]) -> None:
         assert seen.order[key] == sequence, f"key {key} out of order"
     doubled = {k: n for k, n in seen.effects.items() if n > 1}
     assert not doubled, f"doubled effects: {doubled}"
+
+
+class TopicDriver:
+    """``OrderedTopic.consumer`` or ``OrderedTopic.async_consumer`` behind one face (the
+    async one on an event loop thread of this driver's own), so that a test body runs
+    on both. A handler body is a plain function of the message; where it must wait it
+    returns a generator of :class:`claim_drivers.Until` steps (blocked on by the sync
+    driver, awaited by the async one)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = Loop() if name == "async" else None
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def consumer(self, topic: OrderedTopic, body: Callable[[Message], Any],
+                 **options: Any) -> Running:
+        if self.loop is None:
+            def handle(message: Message) -> None:
+                for step in steps_of(body(message)):
+                    _block_until(step)
+
+            return FeedRunning(SyncRunning(topic.consumer(handle, **options)), None)
+        options.pop("workers", None)
+
+        async def ahandle(message: Message) -> None:
+            for step in steps_of(body(message)):
+                give_up = time.monotonic() + step.timeout
+                while not step.predicate() and time.monotonic() < give_up:
+                    await asyncio.sleep(0.002)
+
+        loop = self.loop
+
+        async def make() -> AsyncConsumer:
+            return topic.async_consumer(ahandle, **options)
+
+        return FeedRunning(AsyncRunning(loop, loop.call(make())), loop)
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+
+
+class FeedRunning(Running):
+    """A running topic consumer; :meth:`stop` also hands its leases back."""
+
+    def __init__(self, inner: SyncRunning | AsyncRunning, loop: Loop | None) -> None:
+        self.inner = inner
+        self.loop = loop
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def stop(self, timeout: float | None = None) -> bool:
+        stopped = self.inner.stop(timeout)
+        if isinstance(self.inner, SyncRunning):
+            self.inner.consumer.broker.close()
+        else:
+            assert self.loop is not None
+            self.loop.call(self.inner.consumer.broker.close())
+        return stopped
+
+
+def steps_of(result: Any) -> Iterator[Until]:
+    return result if inspect.isgenerator(result) else iter(())
+
+
+def _block_until(step: Until) -> None:
+    give_up = time.monotonic() + step.timeout
+    while not step.predicate() and time.monotonic() < give_up:
+        time.sleep(0.002)

@@ -1,6 +1,9 @@
 """Ordered topics end to end: publishers, three consumers with their own feeds, random
 splits, merges and moves, retries and duplicates. Per-key order is never violated,
 nothing is lost, and nothing is doubled with ``@idempotent``.
+
+Every test body runs on both drivers (``driver``: ``OrderedTopic.consumer`` and
+``OrderedTopic.async_consumer``, one feed logic behind both).
 """
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,14 +19,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ordered_topic_runner as runner
+from claim_drivers import Until
 from msgpatterns import Message
 from msgpatterns.brokers import InMemoryBroker
 from msgpatterns.ordering import MemoryRouteStore, OrderedTopic, RouteStore
 from ordered_topic_runner import (
     Options,
+    TopicDriver,
     assert_never_out_of_order_nor_doubled,
     assert_ordered_exactly_once,
 )
+
+DRIVERS = ["sync", "async"]
+
+
+@pytest.fixture(params=DRIVERS)
+def driver(request: pytest.FixtureRequest) -> Iterator[TopicDriver]:
+    made = TopicDriver(request.param)
+    try:
+        yield made
+    finally:
+        made.close()
 
 _PROFILE = os.environ.get("MSGPATTERNS_SOAK", "")
 SCHEDULES = {"soak": 10_000, "ci": 500}.get(_PROFILE, 50)
@@ -34,13 +51,15 @@ CRASH_SCHEDULES = {"soak": 10_000, "ci": 100}.get(_PROFILE, 20)
 def run_schedule(store: RouteStore, steps: list[tuple[str, int, int]], *, seed: int,
                  duplicate_rate: float = 0.0, lost_ack_rate: float = 0.0,
                  visibility_timeout: float = 900.0, fail_rate: float = 0.0,
-                 slow_rate: float = 0.0, options: Options | None = None) -> dict[str, Any]:
+                 slow_rate: float = 0.0, options: Options | None = None,
+                 driver: str = "sync") -> dict[str, Any]:
     """One schedule on an InMemoryBroker shared by the publisher and 3 consumers."""
     broker = InMemoryBroker(seed=seed, duplicate_rate=duplicate_rate,
                             lost_ack_rate=lost_ack_rate,
                             visibility_timeout=visibility_timeout, record_history=False)
     return runner.run_schedule(lambda: broker, store, steps, seed=seed, name=f"orders{seed}",
-                               fail_rate=fail_rate, slow_rate=slow_rate, options=options)
+                               fail_rate=fail_rate, slow_rate=slow_rate, options=options,
+                               driver=driver)
 
 
 steps_strategy = st.lists(
@@ -60,35 +79,40 @@ CRASH_OPTIONS = Options(lease_ttl=0.5, refresh=0.02)
 CRASH_VISIBILITY = 0.3
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 @settings(max_examples=SCHEDULES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(steps=steps_strategy, seed=st.integers(0, 2**32 - 1))
 def test_per_key_order_survives_random_splits_merges_and_moves(
-        steps: list[tuple[str, int, int]], seed: int) -> None:
-    result = run_schedule(MemoryRouteStore(), steps, seed=seed)
+        driver: str, steps: list[tuple[str, int, int]], seed: int) -> None:
+    result = run_schedule(MemoryRouteStore(), steps, seed=seed, driver=driver)
     assert_ordered_exactly_once(result)
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 @settings(max_examples=max(5, SCHEDULES // 5), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(steps=steps_strategy, seed=st.integers(0, 2**32 - 1))
 def test_order_holds_with_retries_slow_handlers_and_duplicates(
-        steps: list[tuple[str, int, int]], seed: int) -> None:
+        driver: str, steps: list[tuple[str, int, int]], seed: int) -> None:
     result = run_schedule(MemoryRouteStore(), steps, seed=seed, duplicate_rate=0.2,
-                          fail_rate=0.2, slow_rate=0.1)
+                          fail_rate=0.2, slow_rate=0.1, driver=driver)
     assert_ordered_exactly_once(result)
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 @settings(max_examples=CRASH_SCHEDULES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(steps=crash_steps_strategy, seed=st.integers(0, 2**32 - 1),
        lost_ack_rate=st.sampled_from([0.0, 0.1]))
 def test_order_survives_consumer_crashes_restarts_and_lost_acks(
-        steps: list[tuple[str, int, int]], seed: int, lost_ack_rate: float) -> None:
+        driver: str, steps: list[tuple[str, int, int]], seed: int,
+        lost_ack_rate: float) -> None:
     """A crashed consumer's partitions are taken over after its lease; what it had
     fetched and not settled is handled before the later messages of its keys."""
     result = run_schedule(MemoryRouteStore(), steps, seed=seed, lost_ack_rate=lost_ack_rate,
-                          visibility_timeout=CRASH_VISIBILITY, options=CRASH_OPTIONS)
+                          visibility_timeout=CRASH_VISIBILITY, options=CRASH_OPTIONS,
+                          driver=driver)
     assert_never_out_of_order_nor_doubled(result)
     if not result["finished"]:
         pytest.xfail("known liveness gap after crashes: a new owner can leave messages "
@@ -96,18 +120,19 @@ def test_order_survives_consumer_crashes_restarts_and_lost_acks(
     assert_ordered_exactly_once(result)
 
 
-def test_a_split_under_load_keeps_order_on_a_sql_store(sqlite_url: str) -> None:
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_split_under_load_keeps_order_on_a_sql_store(sqlite_url: str, driver: str) -> None:
     from msgpatterns.ordering import SqlRouteStore
 
     store = SqlRouteStore(sqlite_url)
     steps = [("publish", 7, 0)] * 5 + [("split", 0, 0)] + [("publish", 7, 0)] * 5 + [
         ("merge", 0, 0), ("publish", 7, 0), ("move", 1, 0), ("publish", 7, 0)]
-    result = run_schedule(store, steps, seed=7)
+    result = run_schedule(store, steps, seed=7, driver=driver)
     assert_ordered_exactly_once(result)
     assert [r.kind for r in result["routes"]] == ["create", "split", "merge", "move"]
 
 
-def test_new_partitions_wait_for_the_command_of_the_old_one() -> None:
+def test_new_partitions_wait_for_the_command_of_the_old_one(driver: TopicDriver) -> None:
     """A message in a split's child partition is not handled before every message of
     the parent, even when the parent's consumer is slow."""
     store = MemoryRouteStore()
@@ -119,9 +144,9 @@ def test_new_partitions_wait_for_the_command_of_the_old_one() -> None:
     handled: list[str] = []
     lock = threading.Lock()
 
-    def handle(message: Message) -> None:
+    def handle(message: Message) -> Iterator[Until]:
         if message.body == "old-last":
-            assert gate.wait(60)
+            yield Until(gate.is_set, timeout=60)
         with lock:
             handled.append(str(message.body))
 
@@ -131,7 +156,7 @@ def test_new_partitions_wait_for_the_command_of_the_old_one() -> None:
     topic.split(0)
     for i in range(3):
         topic.publish("a", f"new-{i}")
-    consumer = topic.consumer(handle, group="g", refresh=0.02, poll_timeout=0.02)
+    consumer = driver.consumer(topic, handle, group="g", refresh=0.02, poll_timeout=0.02)
     consumer.start()
     try:
         deadline = time.monotonic() + 60
@@ -161,7 +186,7 @@ def test_an_ordered_topic_needs_a_name(bad: Any) -> None:
     ("stop", ["a1"], ["a2", "a3"]),
 ])
 def test_a_dead_lettered_message_stops_its_key_or_lets_the_next_pass(
-        policy: str, handled_a: list[str], dead_a: list[str]) -> None:
+        driver: TopicDriver, policy: str, handled_a: list[str], dead_a: list[str]) -> None:
     """A retried message holds back its key only; once it is dead-lettered,
     on_dead_letter decides whether the key's next message runs. Other keys go on."""
     from msgpatterns import Reject, RetryPolicy
@@ -187,7 +212,7 @@ def test_a_dead_lettered_message_stops_its_key_or_lets_the_next_pass(
 
     for key, body in [("a", "a1"), ("a", "a2"), ("b", "b1"), ("a", "a3"), ("b", "b2")]:
         topic.publish(key, body)
-    consumer = topic.consumer(handle, group="g", refresh=0.02, poll_timeout=0.02,
+    consumer = driver.consumer(topic, handle, group="g", refresh=0.02, poll_timeout=0.02,
                               on_dead_letter=policy, workers=2,
                               retry=RetryPolicy(max_attempts=5, local_retries=5))
     consumer.start()

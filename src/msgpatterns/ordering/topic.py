@@ -46,7 +46,9 @@ from msgpatterns.ordering.route_store import RouteStore, TopicState
 from msgpatterns.ordering.routes import Route, initial_route
 
 if TYPE_CHECKING:
+    from msgpatterns.aio.consumer import AsyncConsumer
     from msgpatterns.consumer import Consumer
+    from msgpatterns.ordering.topic_feed import TopicFeed
 
 __all__ = [
     "LOGIC_PARTITION",
@@ -253,6 +255,20 @@ class OrderedTopic:
 
     # -- consuming ------------------------------------------------------------------
 
+    def feed(self, group: str, *, owner: str | None = None, lease_ttl: float = 10.0,
+             refresh: float = 0.5, takeover_delay: float | None = None,
+             on_dead_letter: str = "continue") -> TopicFeed:
+        """The :class:`~msgpatterns.ordering.topic_feed.TopicFeed` of one consumer
+        process of ``group``: the sync Broker :meth:`consumer` and :meth:`async_consumer`
+        fetch through (its leases, route following and settlement bookkeeping are the
+        same for both drivers). Adds ``group`` to :attr:`groups`."""
+        from msgpatterns.ordering.topic_feed import TopicFeed
+
+        if group not in self.groups:
+            self.groups.append(group)
+        return TopicFeed(self, group, owner=owner, lease_ttl=lease_ttl, refresh=refresh,
+                         takeover_delay=takeover_delay, on_dead_letter=on_dead_letter)
+
     def consumer(self, handler: Any, *, group: str, owner: str | None = None,
                  lease_ttl: float = 10.0, refresh: float = 0.5,
                  takeover_delay: float | None = None, on_dead_letter: str = "continue",
@@ -267,18 +283,34 @@ class OrderedTopic:
 
         ``on_dead_letter``: after a message of a key is dead-lettered, ``"continue"``
         lets the key's next message run, ``"stop"`` dead-letters the key's later
-        messages too (see :mod:`msgpatterns.ordering.topic_feed`)."""
-        from msgpatterns.consumer import Consumer
-        from msgpatterns.ordering.topic_feed import TopicFeed
+        messages too (see :mod:`msgpatterns.ordering.topic_feed`).
 
-        if group not in self.groups:
-            self.groups.append(group)
-        feed = TopicFeed(self, group, owner=owner, lease_ttl=lease_ttl, refresh=refresh,
+        The feed (``consumer.broker``) holds the leases: ``consumer.broker.close()``
+        hands them back at once (otherwise they run out after ``lease_ttl``)."""
+        from msgpatterns.consumer import Consumer
+
+        feed = self.feed(group, owner=owner, lease_ttl=lease_ttl, refresh=refresh,
                          takeover_delay=takeover_delay, on_dead_letter=on_dead_letter)
         options.setdefault("ordered", True)
         if on_dead_letter == "stop":
             handler = _checking_stopped_keys(feed, handler)
         return Consumer(feed, handler, topics=[self.name], group=group, **options)
+
+    def async_consumer(self, handler: Any, *, group: str, owner: str | None = None,
+                       lease_ttl: float = 10.0, refresh: float = 0.5,
+                       takeover_delay: float | None = None,
+                       on_dead_letter: str = "continue", **options: Any) -> AsyncConsumer:
+        """:meth:`consumer` for ``async def`` handlers: an
+        :class:`~msgpatterns.aio.AsyncConsumer` (``ordered=True`` by default) over the
+        same feed - the same leases, route following, command recording and
+        ``on_dead_letter`` - whose broker and route-store calls run in worker threads
+        (see :mod:`msgpatterns.aio.ordered_topic`). Create it inside the running event
+        loop; ``await consumer.broker.close()`` hands the leases back."""
+        from msgpatterns.aio.ordered_topic import topic_consumer
+
+        feed = self.feed(group, owner=owner, lease_ttl=lease_ttl, refresh=refresh,
+                         takeover_delay=takeover_delay, on_dead_letter=on_dead_letter)
+        return topic_consumer(feed, handler, **options)
 
     def __repr__(self) -> str:
         return f"OrderedTopic({self.name!r}, routes={self.store!r})"
