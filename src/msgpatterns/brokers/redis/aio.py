@@ -24,6 +24,10 @@ adapter's admin) manages the dead letters of both:
   the last one it was handed, so what the lost reply held comes back at once, before
   new entries; :meth:`AsyncRedisStreamsBroker.close` hands back every delivery still
   pending under this consumer (see the sync adapter).
+* Order within a stream: a read over several streams gets up to COUNT entries of each;
+  what does not fit the fetch is kept and delivered first by the next fetch of its
+  stream (handed back at once, in order, when a fetch no longer asks for its stream),
+  never moved behind the retry stream's older entries.
 
 Differences from the sync adapter: acks are sent at once (no ack batching: a crash
 loses none). As there, a connection failure is retried with backoff (5 attempts), then
@@ -138,6 +142,9 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         self._fetches = 0
         self._no_fetch = asyncio.Event()
         self._no_fetch.set()
+        #: A multi-stream read's surplus (each stream gives up to COUNT), in read order:
+        #: served before anything else is read of its stream (see _take_surplus).
+        self._surplus: list[Message] = []
 
     # -- AsyncBroker protocol ---------------------------------------------------------
 
@@ -218,6 +225,7 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         self._closed = True
         try:
             await self._no_fetch.wait()
+            self._surplus.clear()  # pending under this consumer: handed back below
             await self._hand_back_pending()
         finally:
             if self._owns_client:
@@ -301,6 +309,9 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
     async def _fetch(self, topics: list[str], group: str, max_messages: int,
                      timeout: float) -> list[Message]:
         await self._ensure_groups(topics, group)
+        out = await self._take_surplus(topics, group, max_messages)
+        if len(out) >= max_messages:
+            return out
         buried = _Buried()
         decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury)
         wait = timeout
@@ -313,18 +324,47 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
             due = self._next_due.get(slot)
             if due is not None:  # block no longer than until a known retry is due
                 wait = min(wait, max(0.0, due - now))
-        out = await self._recovering(topics, group, self._claim_stale, topics, group,
-                                     max_messages, decoder)
+        out.extend(await self._recovering(topics, group, self._claim_stale, topics, group,
+                                          max_messages - len(out), decoder))
         remaining = max_messages - len(out)
         if remaining > 0:
             block = None if out or wait <= 0 else max(1, int(wait * 1000))
             got = await self._recovering(topics, group, self._read, topics, group,
                                          remaining, block, decoder)
             out.extend(got[:remaining])
-            await self._hand_back(got[remaining:])  # several streams gave COUNT each
+            # Several streams gave COUNT each: the rest is kept, not handed back - in a
+            # retry stream it would go behind the stream's older unread retries.
+            self._surplus.extend(got[remaining:])
         for message, record in buried:
             await self._bury(message, record)
         return out
+
+    async def _take_surplus(self, topics: Sequence[str], group: str,
+                            limit: int) -> list[Message]:
+        """Up to ``limit`` kept surplus deliveries of ``topics`` for ``group``, oldest
+        first (each stream's order as read). The surplus of this group's streams that
+        this fetch no longer asks for (a partition handed over) is handed back at once,
+        in order, so that whoever reads those streams next gets it without waiting for
+        ``visibility_timeout``; other groups' surplus stays."""
+        if not self._surplus:
+            return []
+        asked = set(topics)
+        taken: list[Message] = []
+        dropped: list[Message] = []
+        kept: list[Message] = []
+        for message in self._surplus:
+            r = receipt_of(message, Receipt, _OWNER)
+            if r.group != group:
+                kept.append(message)
+            elif r.topic not in asked:
+                dropped.append(message)
+            elif len(taken) < limit:
+                taken.append(message)
+            else:
+                kept.append(message)
+        self._surplus = kept
+        await self._hand_back(dropped)
+        return taken
 
     async def _promote(self, topic: str, group: str, limit: int, now: float) -> None:
         moved, until_due = await self._do(
