@@ -128,6 +128,38 @@ def test_a_killed_consumer_process_hands_its_deliveries_to_the_next(
         broker.ack(m)
 
 
+def test_a_queue_a_fetch_no_longer_asks_for_hands_back_its_prefetch_in_order(
+    rabbitmq_url: str, names: tuple[str, str], unique: str, brokers: list[Any]
+) -> None:
+    """An ordered topic's partition moves to another consumer: the old one's next
+    fetch (of its other queues) hands back what the server had pushed it of the
+    moved queue, oldest first and ahead of newer messages, and stops consuming it."""
+    topic, group = names
+    other = f"rt-other-{unique}"
+    first = make(rabbitmq_url, brokers, prefetch=10)
+    first.subscribe(topic, group)
+    first.subscribe(other, group)
+    try:
+        for i in range(4):
+            first.publish(topic, f"m{i}".encode())
+        [head] = drain(first, topic, group, count=1, within=10)  # m1..m3 prefetched
+        assert head.raw_body == b"m0"
+        first.ack(head)
+        assert first.fetch([other], group, max_messages=10, timeout=0.1) == []
+        for i in range(4, 6):
+            first.publish(topic, f"m{i}".encode())
+        second = make(rabbitmq_url, brokers, prefetch=10)
+        got = drain(second, topic, group, count=5, within=10)
+        assert [m.raw_body for m in got] == [f"m{i}".encode() for i in range(1, 6)]
+        # a quorum queue counts the return of m1..m3 as a delivery (as after a crash)
+        assert [m.attempt for m in got] == [2, 2, 2, 1, 1]
+        for m in got:
+            second.ack(m)
+        assert first.fetch([other], group, max_messages=10, timeout=0.3) == []
+    finally:
+        delete_rabbitmq_topology(rabbitmq_url, other, group)
+
+
 def test_acks_from_many_threads_settle_every_delivery_once(
     rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
 ) -> None:

@@ -315,6 +315,11 @@ class RabbitMQBroker(IoThread, SideChannels, BrokerAdapter):
         ``timeout`` seconds for the first (returns early, empty, if closed meanwhile)."""
         self._check_open()
         queues = [self.queue_name(t, group) for t in topics]
+        unasked = [q for q, (_, g) in list(self._routes.items())
+                   if g == group and q not in queues]
+        if unasked:
+            with self._errors("fetch"):
+                self._call(partial(self._stop_consuming, queues=unasked))
         for topic, queue in zip(topics, queues, strict=True):
             if queue not in self._routes:
                 with self._errors("fetch"):
@@ -557,6 +562,37 @@ class RabbitMQBroker(IoThread, SideChannels, BrokerAdapter):
         self._declare_group(topic, group)
         self._routes[queue] = (topic, group)
         self._consume(channel, queue, topic, group)
+
+    def _stop_consuming(self, channel: Any, *, queues: list[str]) -> None:
+        """A fetch of a group no longer asks for ``queues`` (an ordered topic's partition
+        went to another consumer): cancel their consumers and hand back their
+        prefetched deliveries, oldest first, with ``basic_nack(requeue=True)``: the
+        queue delivers them again before anything newer, so the next consumer sees the
+        queue's order (a quorum queue counts the return as a delivery: their attempt
+        grows by one, as after a crash). Deliveries already handed out stay ours until
+        settled.
+
+        The frames go out in this order, unflushed until the end: the cancels, so that
+        the server no longer delivers to us what we return; the returns, oldest first;
+        then pika rejects (requeues) whatever was already on its way to us for those
+        consumers - newer deliveries, returned after the older ones."""
+        # Deliveries received but not yet dispatched: buffered first, to go back in order.
+        self._conn.process_data_events(time_limit=0)
+        impl = channel._impl  # queued frames, no flush (or read) between them
+        for tag, queue in list(self._tags.items()):
+            if queue in queues:
+                impl.basic_cancel(consumer_tag=tag, callback=lambda _frame: None)
+                del self._tags[tag]
+        with self._cond:
+            unused = [m for queue in queues for m in self._buffers.pop(queue, ())]
+        for message in unused:
+            r = receipt_of(message, _Receipt, _OWNER)
+            if r.generation == self._generation:
+                impl.basic_nack(r.delivery_tag, requeue=True)
+                self._acks.gone(r.delivery_tag)
+        for queue in queues:
+            self._routes.pop(queue, None)
+        self._conn.process_data_events(time_limit=0)  # flush
 
     def _consume(self, channel: Any, queue: str, topic: str, group: str) -> None:
         tag = f"{self.name}-{next(self._ids)}"
