@@ -160,6 +160,32 @@ def test_a_queue_a_fetch_no_longer_asks_for_hands_back_its_prefetch_in_order(
         delete_rabbitmq_topology(rabbitmq_url, other, group)
 
 
+def test_release_hands_back_the_prefetch_of_a_topic_without_another_fetch(
+    rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
+) -> None:
+    """A member that holds no partition any more fetches nothing: ``release`` lets go
+    of the topic, its prefetch goes back in order; a later fetch consumes it again."""
+    topic, group = names
+    first = make(rabbitmq_url, brokers, prefetch=10)
+    first.subscribe(topic, group)
+    for i in range(4):
+        first.publish(topic, f"m{i}".encode())
+    [head] = drain(first, topic, group, count=1, within=10)
+    first.release([topic], group)
+    first.release([topic], group)  # idempotent
+    second = make(rabbitmq_url, brokers, prefetch=10)
+    got = drain(second, topic, group, count=3, within=10)
+    assert [m.raw_body for m in got] == [b"m1", b"m2", b"m3"]
+    first.ack(head)  # a delivery a fetch returned is still this broker's to settle
+    for m in got:
+        second.nack(m)  # back to the queue's end, for the first broker to fetch again
+    second.close()
+    again = drain(first, topic, group, count=3, within=10)
+    assert sorted(m.raw_body for m in again) == [b"m1", b"m2", b"m3"]
+    for m in again:
+        first.ack(m)
+
+
 def test_acks_from_many_threads_settle_every_delivery_once(
     rabbitmq_url: str, names: tuple[str, str], brokers: list[Any]
 ) -> None:

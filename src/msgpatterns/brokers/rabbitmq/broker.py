@@ -64,7 +64,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
@@ -315,11 +315,10 @@ class RabbitMQBroker(IoThread, SideChannels, BrokerAdapter):
         ``timeout`` seconds for the first (returns early, empty, if closed meanwhile)."""
         self._check_open()
         queues = [self.queue_name(t, group) for t in topics]
-        unasked = [q for q, (_, g) in list(self._routes.items())
+        unasked = [t for q, (t, g) in list(self._routes.items())
                    if g == group and q not in queues]
         if unasked:
-            with self._errors("fetch"):
-                self._call(partial(self._stop_consuming, queues=unasked))
+            self.release(unasked, group)
         for topic, queue in zip(topics, queues, strict=True):
             if queue not in self._routes:
                 with self._errors("fetch"):
@@ -333,6 +332,21 @@ class RabbitMQBroker(IoThread, SideChannels, BrokerAdapter):
                 if out or left <= 0 or self._closed.is_set() or not self._thread.is_alive():
                     return out
                 self._cond.wait(left)
+
+    def release(self, topics: Sequence[str], group: str) -> None:
+        """Stop consuming ``topics`` for ``group`` and hand back what the server pushed
+        of them that no fetch returned yet, oldest first, ahead of their newer messages
+        (``basic_nack`` with requeue: a quorum queue counts it as a delivery). A fetch
+        does this on its own for the group's topics it no longer names; call it when
+        the topics go to another process and this one fetches no others (an ordered
+        topic's member that holds no partition any more). Deliveries already returned
+        by a fetch stay this broker's to settle. A later fetch consumes them again."""
+        self._check_open()
+        queues = [self.queue_name(t, group) for t in topics]
+        if not any(q in self._routes for q in queues):
+            return
+        with self._errors("release"):
+            self._call(partial(self._stop_consuming, queues=queues))
 
     def ack(self, message: Message) -> None:
         """Ack the delivery (does not wait; a lost connection redelivers it; queued acks
