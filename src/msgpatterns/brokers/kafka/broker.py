@@ -246,8 +246,22 @@ class KafkaBroker(GroupConsumers, Producing, BrokerAdapter):
             raise failed(topic, ids, first) from first
 
     def subscribe(self, topic: str, group: str) -> None:
-        """Join ``group`` on ``topic`` now (a fetch does it otherwise)."""
+        """Make sure ``group`` reads every record of ``topic`` published from now on.
+
+        With the default ``auto.offset.reset=earliest``, a group without a committed
+        offset reads a partition from its start, so this only creates ``topic`` and
+        its retry topic (where the cluster auto-creates topics) and joins nothing: a
+        broker object that publishes and subscribes but never fetches (an
+        :class:`~msgpatterns.ordering.OrderedTopic` publisher declares every partition
+        for its groups) never becomes a group member holding partitions nobody reads,
+        and this object's own subscription of ``group`` is left as it is. With another
+        reset policy it joins ``group`` on ``topic`` now, as a fetch would, to fix the
+        group's start."""
         with self._life.operation("subscribe"):
+            reset = str(self._consumer_config.get("auto.offset.reset", "earliest"))
+            if reset.lower() in ("earliest", "smallest", "beginning"):
+                self._touch([topic, self.retry_topic(topic)])
+                return
             self._group(group, [topic])
 
     def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
