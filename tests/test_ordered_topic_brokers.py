@@ -108,12 +108,14 @@ def options_for(harness: Harness) -> Options:
                    poll_timeout=0.05)
 
 
-def test_every_change_keeps_per_key_order(harness: Harness,
-                                          topic_name: Callable[[], str]) -> None:
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_every_change_keeps_per_key_order(harness: Harness, topic_name: Callable[[], str],
+                                          driver: str) -> None:
+    """On both drivers: ``OrderedTopic.consumer`` and ``async_consumer``."""
     known_gap("every_change", harness)
     name = topic_name()
     result = run_schedule(brokers(harness), MemoryRouteStore(), EVERY_CHANGE, seed=1,
-                          name=name, options=options_for(harness))
+                          name=name, options=options_for(harness), driver=driver)
     assert_ordered_exactly_once(result)
     assert [r.kind for r in result["routes"]] == ["create", "split", "merge", "move"]
 
