@@ -511,3 +511,4 @@ def test_kafka_forged_attempt_and_far_due_time() -> None:
         handler = FailsOnce(2)
         consumer = run_consumer(broker, topic, group, handler, produce, within=60)
     _assert_retried(handler, consumer, [b"attempt-9000", b"due-6d"])
+
