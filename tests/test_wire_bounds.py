@@ -512,3 +512,14 @@ def test_kafka_forged_attempt_and_far_due_time() -> None:
         consumer = run_consumer(broker, topic, group, handler, produce, within=60)
     _assert_retried(handler, consumer, [b"attempt-9000", b"due-6d"])
 
+
+
+def test_an_ignored_header_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="msgpatterns.headers"):
+        assert h.trusted_attempt({h.ATTEMPT: "9000"}, BOUNDS) == 1
+        assert h.honoured_due_at(time.time() + SIX_DAYS, time.time(), BOUNDS) is None
+        assert h.trusted_attempt({h.ATTEMPT: "3"}, BOUNDS) == 3
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert h.ATTEMPT in messages[0] and "9000" in messages[0] and "10" in messages[0]
+    assert h.RETRY_DUE_AT in messages[1] and "60 s" in messages[1]

@@ -21,6 +21,7 @@ policy's longest delay). Every adapter reads attempts and due times through thes
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ __all__ = [
     "honoured_due_at",
     "trusted_attempt",
 ]
+
+log = logging.getLogger("msgpatterns.headers")
 
 PREFIX = "x-msgpatterns-"
 ATTEMPT = PREFIX + "attempt"
@@ -130,9 +133,17 @@ def trusted_attempt(headers: Mapping[str, str], bounds: WireBounds = WIRE_LIMITS
     retries its policy grants). A broker's native delivery count is added by the
     caller (:func:`msgpatterns.brokers.codec.attempt_of`), never bounded here.
 
-    Guarantees: never raises; the result is in ``1..max(1, bounds.max_attempt)``."""
+    Guarantees: never raises; the result is in ``1..max(1, bounds.max_attempt)``; an
+    ignored count above the bound is logged (a warning naming the header, the value
+    and the bound)."""
     attempt = header_int(headers, ATTEMPT, 1)
-    return attempt if 1 <= attempt <= bounds.max_attempt else 1
+    if 1 <= attempt <= bounds.max_attempt:
+        return attempt
+    if attempt > bounds.max_attempt:
+        log.warning("header %s=%d is above this consumer's bound %d (2 x max_attempts):"
+                    " ignored, the attempts count from 1", ATTEMPT, attempt,
+                    bounds.max_attempt)
+    return 1
 
 
 def honoured_due_at(due_at: float | None, now: float,
@@ -146,10 +157,16 @@ def honoured_due_at(due_at: float | None, now: float,
     help: each later look sees the same far due time).
 
     Guarantees: never raises; a result is never more than ``bounds.max_delay +
-    CLOCK_SKEW`` seconds after ``now``."""
+    CLOCK_SKEW`` seconds after ``now``; a due time taken as due now for being too far
+    out is logged (a warning naming the header and the bound)."""
     if due_at is None or not math.isfinite(due_at) or due_at <= now:
         return None
-    return due_at if due_at - now <= bounds.max_delay + CLOCK_SKEW else None
+    if due_at - now <= bounds.max_delay + CLOCK_SKEW:
+        return due_at
+    log.warning("header %s is %.0f s ahead, beyond this consumer's longest retry delay"
+                " (%g s + %g s clock skew): due now", RETRY_DUE_AT, due_at - now,
+                bounds.max_delay, CLOCK_SKEW)
+    return None
 
 
 def header_problem(headers: Mapping[str, str], *, now: float | None = None,
