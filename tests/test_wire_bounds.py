@@ -523,3 +523,16 @@ def test_an_ignored_header_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     assert len(messages) == 2, messages
     assert h.ATTEMPT in messages[0] and "9000" in messages[0] and "10" in messages[0]
     assert h.RETRY_DUE_AT in messages[1] and "60 s" in messages[1]
+
+
+def test_an_ordered_topic_feed_passes_the_bounds_to_its_broker() -> None:
+    from msgpatterns.ordering import MemoryRouteStore, OrderedTopic
+
+    broker = InMemoryBroker(record_history=False)
+    topic = OrderedTopic(broker, "bounded", routes=MemoryRouteStore(), logic_partitions=4)
+    topic.create(physical=1)
+    consumer = topic.consumer(lambda m: None, group="g", retry=TIGHT)
+    try:
+        assert broker.wire_bounds("g") == BOUNDS
+    finally:
+        consumer.close()
