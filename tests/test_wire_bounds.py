@@ -149,16 +149,17 @@ def test_a_due_time_never_hides_a_message_beyond_the_bound(
         assert honoured == due
         assert 0 < honoured - now <= bounds.max_delay + h.CLOCK_SKEW
     else:
-        assert not (now < due <= now + bounds.max_delay + h.CLOCK_SKEW)
+        assert not (due > now and due - now <= bounds.max_delay + h.CLOCK_SKEW)
     assert h.honoured_due_at(None, now, bounds) is None
 
 
 @given(delay=st.floats(0, 1e7), max_delay=st.one_of(st.none(), st.floats(0, 1e6)),
-       skew=st.floats(-h.CLOCK_SKEW, 0))
+       skew=st.floats(-h.CLOCK_SKEW + 0.001, 0))
 def test_a_due_time_the_policy_writes_is_honoured(delay: float, max_delay: float | None,
                                                   skew: float) -> None:
     """The consumer never distrusts its own writes: a redelivery after the policy's
-    delay, written on a clock up to CLOCK_SKEW ahead, is held until it is due."""
+    delay, written on a clock up to CLOCK_SKEW ahead, is held until it is due.
+    (Epoch seconds are floats with ~0.2 us steps, so the exact edge is not tested.)"""
     policy = RetryPolicy(backoff=Backoff.fixed(delay), local_retries=0,
                          max_delay=max_delay)
     verdict = policy.decide(_failed(1), RuntimeError("boom"))
