@@ -522,7 +522,8 @@ class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
         verdict = wire.judge(
             msg.data, msg.headers, topic=topic, stream=meta.stream, sequence=stream_seq,
             deliveries=meta.num_delivered, now=time.time(), limit=self.max_message_bytes,
-            published=meta.timestamp.timestamp() if meta.timestamp is not None else None)
+            published=meta.timestamp.timestamp() if meta.timestamp is not None else None,
+            bounds=self.wire_bounds(group))
         if verdict.problem is not None:  # dead-lettered: this one only
             await self._bury_malformed(msg, topic, group, f"{meta.stream}:{stream_seq}",
                                        verdict.problem, too_large=verdict.too_large)

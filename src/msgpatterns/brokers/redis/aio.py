@@ -313,7 +313,8 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         if len(out) >= max_messages:
             return out
         buried = _Buried()
-        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury)
+        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury,
+                               self.wire_bounds)
         wait = timeout
         now = time.monotonic()
         for topic in topics:
@@ -479,7 +480,8 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         the groups it used. Redis unreachable: logged, and those deliveries come back
         after ``visibility_timeout`` (none is lost)."""
         buried = _Buried()
-        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury)
+        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury,
+                               self.wire_bounds)
         try:
             for (stream, group), (topic, retry) in sorted(self._origins.items()):
                 first = None
