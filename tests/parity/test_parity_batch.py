@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from parity_drivers import Driver, Until, eventually
 
 from msgpatterns import Backoff, InMemoryBroker, Message, NeedRetry, Reject, RetryPolicy
 from msgpatterns.errors import ConfigurationError, PartialFailure
 from msgpatterns.idempotency import MemoryChecker
 from msgpatterns.testing import EffectLog, assert_all_acked
 from msgpatterns.testing.checker_fixtures import store_params
+from two_drivers import Driver, Until, eventually
 
 pytestmark = pytest.mark.timeout(90)
 
