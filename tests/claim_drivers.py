@@ -22,7 +22,7 @@ import pytest
 
 from msgpatterns import InMemoryBroker
 from two_drivers import AsyncDriver as AsyncBase
-from two_drivers import Body, Running, Sleep, Until
+from two_drivers import Body, Running, Sleep, Until, publish
 from two_drivers import Driver as Base
 from two_drivers import SyncDriver as SyncBase
 
@@ -84,10 +84,3 @@ def driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
     finally:
         made.close()
 
-
-def publish(broker: InMemoryBroker, count: int, prefix: str = "o") -> list[str]:
-    """``count`` messages on ``orders``, each its own key (``{prefix}-{i}``, also its id)."""
-    ids = [f"{prefix}-{i}" for i in range(count)]
-    for message_id in ids:
-        broker.publish("orders", {"id": message_id}, id=message_id)
-    return ids

@@ -405,6 +405,14 @@ class AsyncDriver(Driver):
         return self.loop.call(made())
 
 
+def publish(broker: InMemoryBroker, count: int, prefix: str = "o") -> list[str]:
+    """``count`` messages on ``orders``, each its own key (``{prefix}-{i}``, also its id)."""
+    ids = [f"{prefix}-{i}" for i in range(count)]
+    for message_id in ids:
+        broker.publish("orders", {"id": message_id}, id=message_id)
+    return ids
+
+
 @contextmanager
 def driver_named(name: str) -> Iterator[Driver]:
     made: Driver = SyncDriver() if name == "sync" else AsyncDriver()
