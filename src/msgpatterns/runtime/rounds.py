@@ -26,6 +26,11 @@ yields what it needs done - an *operation* (:data:`Op`) - and receives its answe
 The thread driver (:mod:`msgpatterns.runtime.thread_rounds`) performs the operations
 with threads, the asyncio driver (:mod:`msgpatterns.runtime.async_rounds`) awaits
 them: so both drivers share every decision and differ only in how they wait.
+
+A batch handler's claims (the handler gets the list) are steps of the same machine
+(:meth:`~ClaimRounds.prepared`, :meth:`~ClaimRounds.begin_all`,
+:meth:`~ClaimRounds.batch_ran`, :meth:`~ClaimRounds.batch_stopped`), driven by one
+batch-run procedure (:func:`msgpatterns.runtime.batches.run_batch`) on both drivers.
 """
 
 from __future__ import annotations
