@@ -66,7 +66,7 @@ from msgpatterns.runtime.thread_rounds import ThreadRounds
 from msgpatterns.timer import TimingWheel
 
 if TYPE_CHECKING:
-    from msgpatterns.observability.stats import Health
+    from msgpatterns.observability.stats import DeliveryScope, Health
 
 __all__ = ["BatchHandler", "Consumer", "ConsumerStats", "Handler"]
 
@@ -545,12 +545,19 @@ class Consumer(DriverBase):
             self._call(message)
         except BaseException as exc:  # SystemExit & co fail the message, not the worker
             error = exc
+        self._finish_in(scope, message, error)
+
+    @staticmethod
+    def _finish_in(scope: DeliveryScope | None, message: Message,
+                   error: BaseException | None) -> None:
+        """Settle ``message`` with its run's outcome inside its telemetry ``scope`` (the
+        settlement runs in the delivery's trace context), then close the scope."""
         if scope is None:
-            delivery.finish(message, error)
+            message.delivery.finish(message, error)
             return
         _obs.report(scope.handler_returned, error)
-        try:  # the settlement runs inside the delivery's trace context
-            delivery.finish(message, error)
+        try:
+            message.delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
 
@@ -567,15 +574,8 @@ class Consumer(DriverBase):
         """Settle a message whose handler does not run (a duplicate: success; a key in
         progress, a missing key, a malformed body: ``error``), observed like a run."""
         listener = _obs.listener
-        scope = None if listener is None else self._start_scope(listener, message)
-        if scope is None:
-            message.delivery.finish(message, error)
-            return
-        _obs.report(scope.handler_returned, error)
-        try:
-            message.delivery.finish(message, error)
-        finally:
-            _obs.report(scope.close)
+        self._finish_in(None if listener is None else self._start_scope(listener, message),
+                        message, error)
 
     # -- telemetry, health and log context (no cost while no listener is installed) --
 
@@ -597,9 +597,6 @@ class Consumer(DriverBase):
                                broker=self.broker)
 
 
-def _duration(value: float | timedelta | None, option: str) -> float | None:
-    """``seconds(value)``, with the option's name in the error."""
-    return _options_duration(value, option)
-
-
+#: Former private helpers, kept for code that imported them.
+_duration = _options_duration
 _topic_list = topic_list
