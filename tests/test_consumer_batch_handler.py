@@ -23,15 +23,10 @@ from msgpatterns.errors import PartialFailure
 from msgpatterns.idempotency import LeaseChecker, idempotent
 from msgpatterns.testing import EffectLog, assert_all_acked
 from msgpatterns.testing.checker_fixtures import checker_for, store_params
+from two_drivers import publish
 
 QUICK = RetryPolicy(max_attempts=3, backoff=Backoff.fixed(1.0), local_retries=0)
 
-
-def publish(broker: InMemoryBroker, count: int) -> list[str]:
-    ids = [f"o-{i}" for i in range(count)]
-    for message_id in ids:
-        broker.publish("orders", {"id": message_id}, id=message_id)
-    return ids
 
 
 def consume(broker: InMemoryBroker, handler: Any, **options: Any) -> Consumer:

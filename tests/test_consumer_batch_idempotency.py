@@ -19,10 +19,12 @@ from msgpatterns.idempotency import LeaseChecker, Status, idempotent
 from msgpatterns.idempotency.batch import guard_of
 from msgpatterns.testing import EffectLog, assert_all_acked
 from msgpatterns.testing.checker_fixtures import checker_for, store_params
+from two_drivers import publish
 
 LEASE_STORES = store_params("memory", "fakeredis", "sqlite", "redis", "postgres")
 #: Stores whose clock the test can drive (the broker's virtual clock).
 CLOCKED_STORES = store_params("memory", "sqlite")
+
 QUICK = RetryPolicy(max_attempts=5, backoff=Backoff.fixed(1.0), local_retries=0)
 GROUP = "billing.handle"
 
@@ -53,12 +55,6 @@ class RoundTrips:
             return io(items)
         return call
 
-
-def publish(broker: InMemoryBroker, count: int, prefix: str = "o") -> list[str]:
-    ids = [f"{prefix}-{i}" for i in range(count)]
-    for message_id in ids:
-        broker.publish("orders", {"id": message_id}, id=message_id)
-    return ids
 
 
 def consume(broker: InMemoryBroker, handler: Any, **options: Any) -> Consumer:

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from claim_drivers import Loop
 from msgpatterns import Consumer, InMemoryBroker, Message
 from msgpatterns.aio import AsyncConsumer, AsyncInMemoryBroker
 from msgpatterns.errors import ClosedError
 from msgpatterns.idempotency import MemoryChecker, idempotent
 from msgpatterns.testing import services
+from two_drivers import Loop
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,6 +1,7 @@
-"""Observability (issue 14): OpenTelemetry spans and metrics equal the library's own
-counts, trace context travels through headers, Prometheus is scraped over HTTP,
-health over HTTP, structured log fields, and nothing is paid while it is off."""
+"""Observability (issue 14): trace context travels through headers, Prometheus is
+scraped over HTTP, structured log fields, counts stay exact per consumer, and nothing
+is paid while it is off. (A consumer's spans, metrics and health over HTTP are checked
+on both drivers by tests/parity/test_parity_telemetry.py.)"""
 
 from __future__ import annotations
 
@@ -19,177 +20,30 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from opentelemetry import trace
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-    InMemorySpanExporter,
-)
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind
 
 from msgpatterns import (
     Backoff,
     Consumer,
     InMemoryBroker,
     Message,
-    NeedRetry,
     Reject,
     RetryPolicy,
 )
 from msgpatterns.batching import BatchExecutor
 from msgpatterns.brokers import codec
 from msgpatterns.deadletter import DeadLetter
-from msgpatterns.idempotency import MemoryChecker, idempotent
 from msgpatterns.observability import (
-    HealthServer,
     get_listener,
-    instrument,
     serve_prometheus,
-    trace_headers,
-    uninstrument,
 )
-
-
-class Otel:
-    def __init__(self) -> None:
-        self.spans = InMemorySpanExporter()
-        self.tracer_provider = TracerProvider()
-        self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.spans))
-        self.reader = InMemoryMetricReader()
-        self.meter_provider = MeterProvider(metric_readers=[self.reader])
-
-    def finished(self) -> list[ReadableSpan]:
-        return list(self.spans.get_finished_spans())
-
-    def points(self, name: str) -> list[Any]:
-        data = self.reader.get_metrics_data()
-        found = []
-        for rm in data.resource_metrics if data else []:
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    if metric.name == name:
-                        found.extend(metric.data.data_points)
-        return found
-
-    def total(self, name: str, **attrs: str) -> int:
-        return sum(int(p.value) for p in self.points(name)
-                   if all(p.attributes.get(k) == v for k, v in attrs.items()))
+from two_drivers import Otel, installed_otel
 
 
 @pytest.fixture
 def otel() -> Iterator[Otel]:
-    o = Otel()
-    # every duration recorded, so histogram counts can be checked exactly
-    instrument(tracer_provider=o.tracer_provider, meter_provider=o.meter_provider,
-               duration_sample_rate=1.0)
-    try:
+    with installed_otel() as o:  # every duration recorded: histogram counts are exact
         yield o
-    finally:
-        uninstrument()
-
-
-def _workload(broker: InMemoryBroker, checker: MemoryChecker) -> Consumer:
-    """30 messages: most succeed, 'flaky' fail their first attempt (redelivered),
-    'local' ask for one in-process retry, 'poison' are rejected (dead letter); the
-    broker duplicates deliveries and the handler is idempotent."""
-    bodies = ["ok"] * 20 + ["flaky"] * 4 + ["local"] * 4 + ["poison"] * 2
-    for i, body in enumerate(bodies):
-        broker.publish("orders", body, key=f"k{i}")
-
-    @idempotent(checker)
-    def handle(message: Message) -> None:
-        if message.body == "poison":
-            raise Reject("bad order")
-        if message.body == "flaky" and message.attempt == 1:
-            raise ValueError("flaky downstream")
-        if message.body == "local" and message.local_retries == 0:
-            raise NeedRetry()
-
-    return Consumer(broker, handle, topics=["orders"], group="billing", workers=2,
-                    retry=RetryPolicy(max_attempts=3, backoff=Backoff.levels([0.5])))
-
-
-def test_spans_and_metrics_equal_the_consumers_own_counts(otel: Otel) -> None:
-    broker = InMemoryBroker(seed=3, duplicate_rate=0.3)
-    checker = MemoryChecker(namespace="obs")
-    consumer = _workload(broker, checker)
-    stats = consumer.run_until_idle(timeout=30)
-    cs = checker.stats
-    assert stats.dead_lettered >= 2 and stats.redelivered >= 4 and stats.retried_locally >= 4
-    assert cs.duplicates > 0  # the broker duplicated and the checker skipped
-
-    spans = otel.finished()
-    outcomes = Counter(s.attributes["messaging.msgpatterns.outcome"] for s in spans)
-    assert outcomes == Counter({"acked": stats.acked, "retried_later": stats.redelivered,
-                                "retried_locally": stats.retried_locally,
-                                "dead_lettered": stats.dead_lettered})
-    assert len(spans) == stats.acked + stats.failed
-    for span in spans:
-        attrs = span.attributes
-        assert span.kind is SpanKind.CONSUMER and span.name == "process orders"
-        assert attrs["messaging.system"] == "memory"
-        assert attrs["messaging.destination.name"] == "orders"
-        assert attrs["messaging.consumer.group.name"] == "billing"
-        assert attrs["messaging.operation.type"] == "process"
-        assert attrs["messaging.message.id"]
-        assert attrs["messaging.msgpatterns.attempt"] >= 1
-        failed = attrs["messaging.msgpatterns.outcome"] != "acked"
-        assert (span.status.status_code is StatusCode.ERROR) == failed
-    assert {s.attributes["error.type"] for s in spans if "error.type" in s.attributes} == {
-        "ValueError", "msgpatterns.errors.NeedRetry", "msgpatterns.errors.Reject"}
-
-    deliveries = "msgpatterns.consumer.deliveries"
-    assert otel.total(deliveries, **{"msgpatterns.outcome": "acked"}) == stats.acked
-    assert otel.total(deliveries, **{"msgpatterns.outcome": "retried_later"}) == stats.redelivered
-    assert otel.total(deliveries, **{"msgpatterns.outcome": "retried_locally"}) \
-        == stats.retried_locally
-    assert otel.total(deliveries, **{"msgpatterns.outcome": "dead_lettered"}) \
-        == stats.dead_lettered
-    assert otel.total(deliveries, **{"msgpatterns.outcome": "released"}) == stats.released == 0
-    assert otel.total("msgpatterns.consumer.fetched") == stats.fetched
-    assert otel.total("msgpatterns.consumer.failed") == stats.failed
-    for name, value in cs.as_dict().items():
-        assert otel.total(f"msgpatterns.idempotency.{name}") == value, name
-    assert sum(p.count for p in otel.points("messaging.process.duration")) == len(spans)
-    def trips(*operations: str) -> int:
-        return sum(otel.total("msgpatterns.idempotency.store.round_trips",
-                              **{"msgpatterns.operation": op}) for op in operations)
-
-    # The Consumer claims and completes an @idempotent handler's keys per batch: one
-    # round trip for many keys (never more round trips than keys).
-    claims = cs.claimed + cs.duplicates + cs.in_progress + cs.conflicts
-    assert 0 < trips("claim", "claim_many") < claims
-    assert 0 < trips("complete", "complete_many") <= cs.completed + cs.lost_leases
-    (gauge,) = otel.points("msgpatterns.consumer.in_flight")
-    assert gauge.value == 0 and gauge.attributes["msgpatterns.consumer"] == consumer.name
-
-
-def test_consumer_span_continues_the_publishers_trace_across_retries(otel: Otel) -> None:
-    broker = InMemoryBroker()
-    tracer = otel.tracer_provider.get_tracer("test")
-    with tracer.start_as_current_span("publish orders", kind=SpanKind.PRODUCER) as producer:
-        broker.publish("orders", "x", key="a", headers=trace_headers())
-    seen: list[Any] = []
-
-    def handle(message: Message) -> None:
-        seen.append(trace.get_current_span().get_span_context())
-        if message.attempt < 3:
-            raise ValueError("again")
-
-    consumer = Consumer(broker, handle, topics=["orders"], group="g",
-                        retry=RetryPolicy(max_attempts=5, backoff=Backoff.levels([1.0])))
-    assert consumer.run_until_idle(timeout=10).acked == 1
-    spans = [s for s in otel.finished() if s.name == "process orders"]
-    assert len(spans) == 3
-    ctx = producer.get_span_context()
-    for span in spans:
-        assert span.context.trace_id == ctx.trace_id
-        assert span.parent is not None and span.parent.span_id == ctx.span_id
-    # the handler ran inside its delivery's span
-    assert [c.span_id for c in seen] == [s.context.span_id for s in spans]
-    assert [s.attributes["messaging.msgpatterns.attempt"] for s in spans] == [1, 2, 3]
 
 
 def test_wire_headers_carry_trace_context_on_publish_retry_and_dead_letter(otel: Otel) -> None:
@@ -300,43 +154,6 @@ def _get(url: str) -> tuple[int, dict[str, Any]]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def test_health_over_http_follows_the_consumer() -> None:
-    broker = InMemoryBroker()
-    held = threading.Event()
-    kept: list[Message] = []
-
-    def handle(message: Message) -> None:
-        message.disable_auto_ack()  # stays unsettled: in flight, ageing
-        kept.append(message)
-        held.set()
-
-    consumer = Consumer(broker, handle, topics=["t"], group="g", ack_timeout=0)
-    with HealthServer(consumer, port=0) as server:
-        status, body = _get(server.url + "/livez")
-        assert status == 503 and body["consumers"][0]["state"] == "new"
-        consumer.start()
-        broker.publish("t", "x")
-        assert held.wait(10)
-        health = consumer.health()
-        assert health.running and health.last_fetch_ok and health.broker_connected
-        assert health.in_flight == 1 and health.oldest_unsettled_age is not None
-        assert _get(server.url + "/livez")[0] == 200
-        status, body = _get(server.url + "/readyz")
-        assert status == 200 and body["ok"] is True
-        assert body["consumers"][0]["in_flight"] == 1
-        assert _get(server.url + "/nope")[0] == 404
-        kept[0].ack()
-        consumer.stop(5)
-        assert consumer.health().in_flight == 0
-        assert consumer.health().oldest_unsettled_age is None
-        assert _get(server.url + "/livez")[0] == 503
-        assert _get(server.url + "/readyz")[0] == 503
-        url = server.url
-    with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(url + "/livez", timeout=2)
-    server.close()  # idempotent
 
 
 def test_log_lines_about_a_message_carry_its_fields(caplog: pytest.LogCaptureFixture) -> None:

@@ -14,8 +14,6 @@ import pytest
 
 pytest.importorskip("opentelemetry.sdk")
 
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -24,30 +22,12 @@ from msgpatterns import Consumer, InMemoryBroker, Message, Reject
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency import MemoryChecker, idempotent
 from msgpatterns.observability import OpenTelemetry, instrument, uninstrument
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.reader = InMemoryMetricReader()
-        self.provider = MeterProvider(metric_readers=[self.reader])
-
-    def points(self, name: str) -> list[Any]:
-        data = self.reader.get_metrics_data()
-        return [point for rm in (data.resource_metrics if data else [])
-                for sm in rm.scope_metrics for metric in sm.metrics if metric.name == name
-                for point in metric.data.data_points]
-
-    def total(self, name: str, **attrs: str) -> int:
-        return sum(int(p.value) for p in self.points(name)
-                   if all(p.attributes.get(k) == v for k, v in attrs.items()))
-
-    def count(self, name: str) -> int:
-        return sum(p.count for p in self.points(name))
+from two_drivers import Otel
 
 
 @pytest.fixture
-def metrics() -> Iterator[Metrics]:
-    yield Metrics()
+def metrics() -> Iterator[Otel]:
+    yield Otel()
     uninstrument()
 
 
@@ -66,13 +46,13 @@ def _run(n: int, poison_every: int = 0) -> Consumer:
     return consumer
 
 
-def _deliveries(metrics: Metrics, outcome: str) -> int:
+def _deliveries(metrics: Otel, outcome: str) -> int:
     return metrics.total("msgpatterns.consumer.deliveries", **{"msgpatterns.outcome": outcome})
 
 
-def test_the_default_samples_durations_and_keeps_every_counter_exact(metrics: Metrics) -> None:
+def test_the_default_samples_durations_and_keeps_every_counter_exact(metrics: Otel) -> None:
     random.seed(24)
-    instrument(meter_provider=metrics.provider, tracing=False)
+    instrument(meter_provider=metrics.meter_provider, tracing=False)
     n = 3000
     stats = _run(n, poison_every=10).stats
     assert (stats.acked, stats.dead_lettered) == (2700, 300)
@@ -90,8 +70,8 @@ def test_the_default_samples_durations_and_keeps_every_counter_exact(metrics: Me
 
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_rate_zero_records_no_duration_and_one_records_every_one(
-        metrics: Metrics, rate: float) -> None:
-    instrument(meter_provider=metrics.provider, tracing=False, duration_sample_rate=rate)
+        metrics: Otel, rate: float) -> None:
+    instrument(meter_provider=metrics.meter_provider, tracing=False, duration_sample_rate=rate)
     checker = MemoryChecker(namespace="sampling")
 
     @idempotent(checker, key=lambda message: message.key)
@@ -117,13 +97,13 @@ def test_a_rate_outside_zero_to_one_is_refused(rate: float) -> None:
         OpenTelemetry(duration_sample_rate=rate)
 
 
-def test_spans_of_sampled_out_durations_are_still_complete(metrics: Metrics) -> None:
+def test_spans_of_sampled_out_durations_are_still_complete(metrics: Otel) -> None:
     """Tracing is not sampled by the duration rate: every delivery has its span, with
     its outcome, whatever share of durations is recorded."""
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    instrument(meter_provider=metrics.provider, tracer_provider=tracer_provider,
+    instrument(meter_provider=metrics.meter_provider, tracer_provider=tracer_provider,
                duration_sample_rate=0.0)
     stats = _run(40, poison_every=4).stats
     finished = spans.get_finished_spans()
@@ -148,11 +128,11 @@ class _FlakyAcks(InMemoryBroker):
 
 @pytest.mark.parametrize("listening", [False, True])
 def test_failed_acks_on_the_hot_path_are_settled_and_reported_like_any_other(
-        metrics: Metrics, listening: bool) -> None:
+        metrics: Otel, listening: bool) -> None:
     """Differential: the same run with and without a listener settles alike, and the
     listener's counts equal the consumer's own, failed acks included."""
     if listening:
-        instrument(meter_provider=metrics.provider, tracing=False)
+        instrument(meter_provider=metrics.meter_provider, tracing=False)
     broker = _FlakyAcks()
     for i in range(30):
         broker.publish("orders", "ok", key=f"k{i}")
@@ -191,12 +171,12 @@ class _AsyncFlakyAcks:
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_async_consumers_hot_path_reports_what_it_settled(
-        metrics: Metrics, anyio_backend: str) -> None:
+        metrics: Otel, anyio_backend: str) -> None:
     """AsyncConsumer: plain acks settled on its hot path are reported one by one, and
     failed acks too, so the listener's counts equal the consumer's own."""
     from msgpatterns.aio import AsyncConsumer
 
-    instrument(meter_provider=metrics.provider, tracing=False)
+    instrument(meter_provider=metrics.meter_provider, tracing=False)
     broker = _AsyncFlakyAcks()
     for i in range(30):
         await broker.publish("orders", b"ok", key=f"k{i}")

@@ -46,12 +46,11 @@ from msgpatterns.errors import (
     describe,
     seconds,
 )
-from msgpatterns.idempotency.batch import Entry, guard_of
+from msgpatterns.idempotency.batch import guard_of
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.ordering.executor import OrderedExecutor
 from msgpatterns.retry import RetryPolicy
-from msgpatterns.runtime.batches import judge_batch
 from msgpatterns.runtime.driver import DriverBase
 from msgpatterns.runtime.fetcher import Fetcher
 from msgpatterns.runtime.gate import KeyGate, ordering_key
@@ -60,14 +59,14 @@ from msgpatterns.runtime.lifecycle import Released
 from msgpatterns.runtime.lifecycle import State as _State
 from msgpatterns.runtime.options import check_batch, topic_list
 from msgpatterns.runtime.options import duration as _options_duration
-from msgpatterns.runtime.rounds import Claimed
 from msgpatterns.runtime.settling import ThreadSettling
 from msgpatterns.runtime.stats import ConsumerStats
+from msgpatterns.runtime.thread_batches import ThreadBatches
 from msgpatterns.runtime.thread_rounds import ThreadRounds
 from msgpatterns.timer import TimingWheel
 
 if TYPE_CHECKING:
-    from msgpatterns.observability.stats import Health
+    from msgpatterns.observability.stats import DeliveryScope, Health
 
 __all__ = ["BatchHandler", "Consumer", "ConsumerStats", "Handler"]
 
@@ -224,6 +223,13 @@ class Consumer(DriverBase):
             guard, fetcher=self._fetcher, settling=self._settling, workers=workers,
             settle_unrun=self._settle_unrun, start_scope=self._start_scope,
             own_thread=self._own_thread, log=log)
+        #: The batch runs (None: a plain per-message handler).
+        self._batches = None if guard is None and not batch else ThreadBatches(
+            handler=handler, batch=batch, rounds=self._rounds, fetcher=self._fetcher,
+            settling=self._settling, decoder=decoder, fetch_batch=fetch_batch,
+            workers=workers, settle_unrun=self._settle_unrun,
+            start_scope=self._start_scope, own_thread=self._own_thread, log=log,
+            name=self.name)
 
     @property
     def _state(self) -> _State:
@@ -271,8 +277,7 @@ class Consumer(DriverBase):
                     threading.Thread(target=self._pump, name=f"{self.name}-pump", daemon=True)
                 ]
             else:
-                work = self._work if self._rounds is None and not self.batch \
-                    else self._work_batches
+                work = self._work if self._batches is None else self._batches.work
                 self._threads = [
                     threading.Thread(
                         target=work, name=f"{self.name}-worker-{i}", daemon=True
@@ -280,6 +285,8 @@ class Consumer(DriverBase):
                     for i in range(self.workers)
                 ]
         self._settling.deadlines = self._deadlines
+        if self._batches is not None:
+            self._batches.deadlines = self._deadlines
         self._choose_paths()
         self._unwatch = _obs.watch_listener(self._choose_paths)
         if self._rounds is not None and not self.batch:
@@ -472,18 +479,18 @@ class Consumer(DriverBase):
     def _pump(self) -> None:
         """Ordered mode: admit each message past its key's gate onto the key's lane."""
         _own_thread.consumer = self
-        gate, lanes = self._gate, self._lanes
+        gate, lanes, batches = self._gate, self._lanes, self._batches
         assert gate is not None and lanes is not None
         try:
             while True:
                 message: Message | None = self._fetcher.next()  # type: ignore[assignment]
                 if message is None:
                     return
-                if self._rounds is not None:  # claim what is admitted now, as one batch
-                    admitted = [m for m in self._take_ready(message, self.fetch_batch)
+                if batches is not None:  # claim what is admitted now, as one batch
+                    admitted = [m for m in batches.take_ready(message, self.fetch_batch)
                                 if gate.admit(m)]
                     if admitted:
-                        self._execute_round_safely(admitted, lanes)
+                        batches.round_safely(admitted, lanes)
                 elif gate.admit(message):
                     lanes.submit(ordering_key(message), self._execute_on_lane, message)
         finally:
@@ -538,12 +545,19 @@ class Consumer(DriverBase):
             self._call(message)
         except BaseException as exc:  # SystemExit & co fail the message, not the worker
             error = exc
+        self._finish_in(scope, message, error)
+
+    @staticmethod
+    def _finish_in(scope: DeliveryScope | None, message: Message,
+                   error: BaseException | None) -> None:
+        """Settle ``message`` with its run's outcome inside its telemetry ``scope`` (the
+        settlement runs in the delivery's trace context), then close the scope."""
         if scope is None:
-            delivery.finish(message, error)
+            message.delivery.finish(message, error)
             return
         _obs.report(scope.handler_returned, error)
-        try:  # the settlement runs inside the delivery's trace context
-            delivery.finish(message, error)
+        try:
+            message.delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
 
@@ -556,165 +570,12 @@ class Consumer(DriverBase):
             raise MalformedMessage(f"cannot decode body: {describe(exc)}") from exc
         self.handler(message)
 
-    # -- batches: batch claims of an @idempotent handler, batch handlers ----------------
-
-    def _work_batches(self) -> None:
-        """Worker loop when messages run in batches: a batch handler, or an
-        @idempotent handler whose keys are claimed per batch (claimed messages are
-        shared out to every worker; each claim is completed as its handler returns)."""
-        _own_thread.consumer = self
-        while True:
-            item = self._fetcher.next()
-            if item is None:
-                return
-            try:
-                if isinstance(item, Claimed):
-                    assert self._rounds is not None  # only batch claims queue them
-                    self._rounds.run(item)
-                elif self.batch:
-                    self._execute_batch(self._take_ready(item, self.fetch_batch))
-                else:
-                    self._execute_round(self._take_ready(item, self._claim_limit()))
-            except BaseException:  # the worker survives whatever happens
-                log.exception("%s: running a batch failed", self.name)
-
-    def _claim_limit(self) -> int:
-        """How many messages one batch claim takes: what was fetched (``fetch_batch``),
-        at most what the workers run within half the lease at the handler's recent
-        pace - so no claim waits in line until its lease runs out."""
-        rounds = self._rounds
-        if rounds is None or rounds.pace <= 0.0:
-            return self.fetch_batch
-        room = rounds.guard.checker.lease * 0.5 * self.workers / rounds.pace
-        return max(1, min(self.fetch_batch, int(room)))
-
-    def _take_ready(self, first: Message, limit: int) -> list[Message]:
-        """``first`` and more ready messages (not claimed ones), up to ``limit``."""
-        chunk = [first]
-        ready = self._fetcher.ready
-        popleft = ready.popleft  # atomic: no lock needed
-        claims = self._rounds is not None  # only batch claims queue non-messages
-        append = chunk.append
-        for _ in range(limit - 1):
-            try:
-                item = popleft()
-            except IndexError:
-                break
-            if claims and not isinstance(item, Message):
-                ready.appendleft(item)
-                break
-            append(item)  # type: ignore[arg-type]  # no claims without a guard
-        return chunk
-
-    def _intake(self, messages: list[Message]) -> list[Message]:
-        """Start the deadlines and decode; the messages left to run (not handed back,
-        decodable; a malformed one is settled here)."""
-        deadlines, decoder = self._deadlines, self.decoder
-        if decoder is None:  # the common case: one pass, one clock read
-            live = [m for m in messages if not m.delivery.settled]
-            if deadlines is not None:
-                deadlines.track_all(live)
-            return live
-        live = []
-        for message in messages:
-            if message.acked:
-                continue  # handed back by stop() before it could run
-            if deadlines is not None:
-                deadlines.track(message)
-            if decoder is not None:
-                try:
-                    message.body = decoder(message.raw_body)
-                except Exception as exc:
-                    error = MalformedMessage(f"cannot decode body: {describe(exc)}")
-                    error.__cause__ = exc
-                    self._settle_unrun(message, error)
-                    continue
-            live.append(message)
-        return live
-
     def _settle_unrun(self, message: Message, error: BaseException | None) -> None:
         """Settle a message whose handler does not run (a duplicate: success; a key in
         progress, a missing key, a malformed body: ``error``), observed like a run."""
         listener = _obs.listener
-        scope = None if listener is None else self._start_scope(listener, message)
-        if scope is None:
-            message.delivery.finish(message, error)
-            return
-        _obs.report(scope.handler_returned, error)
-        try:
-            message.delivery.finish(message, error)
-        finally:
-            _obs.report(scope.close)
-
-    def _execute_round_safely(self, messages: list[Message],
-                              lanes: OrderedExecutor | None = None) -> None:
-        try:
-            self._execute_round(messages, lanes)
-        except BaseException:  # the worker (or pump) survives whatever happens
-            log.exception("%s: running a batch of %d messages failed", self.name,
-                          len(messages))
-
-    def _execute_round(self, messages: list[Message],
-                       lanes: OrderedExecutor | None = None) -> None:
-        """An @idempotent per-message handler on a batch: one claim for all, each
-        handler run (here, or on its key's lane), each claim completed as its handler
-        returns, then its ack."""
-        assert self._rounds is not None
-        self._rounds.round(self._intake(messages), lanes)
-
-    def _execute_batch(self, messages: list[Message]) -> None:
-        """A batch handler on ``messages``: per message, the handler's outcome (its
-        PartialFailure entry, its own ack, or the batch's) is settled on its own."""
-        self._run_batch(self._intake(messages))
-
-    def _run_batch(self, live: list[Message]) -> None:
-        """One call of the batch handler on ``live`` (their claims made first when it is
-        ``@idempotent``), each message then settled on its own
-        (:mod:`msgpatterns.runtime.batches`)."""
-        rounds = self._rounds
-        entries: dict[Message, Entry] = {}
-        later: list[Message] = []
-        if rounds is not None and live:
-            runs, later = rounds.prepared(live)
-            entries = {entry.message: entry for entry in runs}
-            live = rounds.begin_all(runs)
-        if not live:
-            if later:
-                self._run_batch([m for m in later if not m.acked])
-            return
-        listener = _obs.listener
-        scopes = None if listener is None else [self._start_scope(listener, m) for m in live]
-        handler = self.handler if rounds is None else rounds.guard.handler
-        error: BaseException | None = None
-        try:
-            handler(list(live))
-        except BaseException as exc:  # SystemExit & co fail the batch, not the worker
-            error = exc
-        if error is None and rounds is None and scopes is None:
-            # The common case: every message returned; those the handler settled or
-            # will ack itself are left alone (ack_all leaves them alone).
-            self._settling.ack_all(live)
-            return
-        outcome = judge_batch(live, error, log=log, name=self.name)
-        try:
-            if scopes is not None:
-                for index, scope in enumerate(scopes):
-                    if scope is not None:
-                        _obs.report(scope.handler_returned, outcome.error_of(index))
-            if rounds is not None:  # claims finished first: DONE before ack
-                rounds.batch_ran(entries, outcome.returned, outcome.raised,
-                                 outcome.explicit)
-            else:
-                for message, failed_with in outcome.raised:
-                    message.delivery.finish(message, failed_with)
-                self._settling.ack_all(outcome.returned)
-        finally:
-            if scopes is not None:
-                for scope in reversed(scopes):
-                    if scope is not None:
-                        _obs.report(scope.close)
-        if later:  # repeats of keys this batch held: duplicates now (or run)
-            self._run_batch([m for m in later if not m.acked])
+        self._finish_in(None if listener is None else self._start_scope(listener, message),
+                        message, error)
 
     # -- telemetry, health and log context (no cost while no listener is installed) --
 
@@ -736,9 +597,6 @@ class Consumer(DriverBase):
                                broker=self.broker)
 
 
-def _duration(value: float | timedelta | None, option: str) -> float | None:
-    """``seconds(value)``, with the option's name in the error."""
-    return _options_duration(value, option)
-
-
+#: Former private helpers, kept for code that imported them.
+_duration = _options_duration
 _topic_list = topic_list

@@ -1,8 +1,8 @@
 """The parity suite: every consumer-level behaviour, one test body, both drivers.
 
 ``driver`` runs each test on :class:`~msgpatterns.Consumer` and on
-:class:`~msgpatterns.aio.AsyncConsumer` (see ``parity_drivers.py``); ``otel`` installs
-OpenTelemetry with in-memory exporters for the test.
+:class:`~msgpatterns.aio.AsyncConsumer` (see ``tests/two_drivers.py``); ``otel``
+installs OpenTelemetry with in-memory exporters for the test.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from parity_drivers import Driver, Otel, driver_named
+
+from two_drivers import Driver, Otel, driver_named, installed_otel
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -22,14 +23,5 @@ def driver(request: pytest.FixtureRequest) -> Iterator[Driver]:
 
 @pytest.fixture
 def otel() -> Iterator[Otel]:
-    pytest.importorskip("opentelemetry.sdk")
-    from msgpatterns.observability import instrument, uninstrument
-
-    o = Otel()
-    # every duration recorded: the test counts the histogram against the deliveries
-    instrument(tracer_provider=o.tracer_provider, meter_provider=o.meter_provider,
-               duration_sample_rate=1.0)
-    try:
+    with installed_otel() as o:
         yield o
-    finally:
-        uninstrument()

@@ -10,24 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from parity_drivers import Driver, Until, eventually
 
 from msgpatterns import Backoff, InMemoryBroker, Message, NeedRetry, Reject, RetryPolicy
 from msgpatterns.errors import ConfigurationError, PartialFailure
 from msgpatterns.idempotency import MemoryChecker
 from msgpatterns.testing import EffectLog, assert_all_acked
 from msgpatterns.testing.checker_fixtures import store_params
+from two_drivers import Driver, Until, eventually, publish
 
 pytestmark = pytest.mark.timeout(90)
 
 QUICK = RetryPolicy(max_attempts=3, backoff=Backoff.fixed(1.0), local_retries=0)
 
-
-def publish(broker: InMemoryBroker, count: int) -> list[str]:
-    ids = [f"o-{i}" for i in range(count)]
-    for message_id in ids:
-        broker.publish("orders", {"id": message_id}, id=message_id)
-    return ids
 
 
 def consume(driver: Driver, broker: InMemoryBroker, handler: Any, **options: Any) -> Any:

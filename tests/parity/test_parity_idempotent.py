@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from parity_drivers import Driver
 
 from msgpatterns import Backoff, InMemoryBroker, Message, RetryPolicy
 from msgpatterns.testing import EffectLog, assert_all_acked
 from msgpatterns.testing.checker_fixtures import store_params
+from two_drivers import Driver
 
 pytestmark = pytest.mark.timeout(90)
 

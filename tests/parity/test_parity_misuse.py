@@ -8,10 +8,10 @@ import asyncio
 from typing import Any
 
 import pytest
-from parity_drivers import Driver
 
 from msgpatterns import InMemoryBroker
 from msgpatterns.errors import ConfigurationError
+from two_drivers import Driver
 
 OTHER = {"sync": r"msgpatterns\.AsyncConsumer", "async": r"msgpatterns\.Consumer"}
 

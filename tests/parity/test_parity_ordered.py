@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from parity_drivers import Driver, Sleep
 
 from msgpatterns import Backoff, InMemoryBroker, Message, NeedRetry, Reject, RetryPolicy
 from msgpatterns.testing import assert_all_acked
+from two_drivers import Driver, Sleep
 
 pytestmark = pytest.mark.timeout(90)
 

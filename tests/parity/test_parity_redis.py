@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from parity_drivers import Driver, Otel, Until, eventually
 
 from msgpatterns import Backoff, Message, RetryPolicy
 from msgpatterns.brokers import RedisStreamsBroker
+from two_drivers import Driver, Otel, Until, eventually
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 

@@ -9,11 +9,11 @@ import threading
 from typing import Any
 
 import pytest
-from parity_drivers import Driver, Until
 
 from msgpatterns import Backoff, InMemoryBroker, Message, NeedRetry, Reject, RetryPolicy
 from msgpatterns.errors import AckTimeout
 from msgpatterns.testing import EffectLog, assert_all_acked
+from two_drivers import Driver, Until
 
 pytestmark = pytest.mark.timeout(60)
 

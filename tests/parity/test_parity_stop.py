@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 import pytest
-from parity_drivers import DIFFERENCES, Do, Driver, Until, eventually
 
 from msgpatterns import Backoff, InMemoryBroker, Message, NeedRetry, RetryPolicy
 from msgpatterns.testing import EffectLog, assert_all_acked
+from two_drivers import DIFFERENCES, Do, Driver, Until, eventually
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from parity_drivers import Driver, Otel, eventually
 
 from msgpatterns import Backoff, InMemoryBroker, Message, NeedRetry, Reject, RetryPolicy
 from msgpatterns.errors import PartialFailure
 from msgpatterns.idempotency import MemoryChecker
 from msgpatterns.observability import HealthServer, trace_headers
+from two_drivers import Driver, Otel, eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -88,6 +88,16 @@ def test_spans_and_metrics_equal_the_consumers_own_counts(driver: Driver, otel: 
         assert cs.duplicates > 0  # the broker duplicated and the checker skipped
         for name, value in cs.as_dict().items():
             assert otel.total(f"msgpatterns.idempotency.{name}") == value, name
+
+        def trips(*operations: str) -> int:
+            return sum(otel.total("msgpatterns.idempotency.store.round_trips",
+                                  **{"msgpatterns.operation": op}) for op in operations)
+
+        # An @idempotent handler's keys are claimed and completed per batch: one round
+        # trip for many keys (never more round trips than keys).
+        claims = cs.claimed + cs.duplicates + cs.in_progress + cs.conflicts
+        assert 0 < trips("claim", "claim_many") < claims
+        assert 0 < trips("complete", "complete_many") <= cs.completed + cs.lost_leases
 
 
 def test_the_span_continues_the_publishers_trace_and_is_current_in_the_handler(
@@ -202,6 +212,7 @@ def test_health_over_http_follows_the_consumer(driver: Driver) -> None:
         assert status == 200 and answer["ok"] is True
         assert answer["consumers"][0]["in_flight"] == 1
         assert answer["consumers"][0]["state"] == "running"
+        assert _get(server.url + "/nope")[0] == 404
         kept[0].ack()
         eventually(lambda: consumer.health().in_flight == 0)
         assert consumer.health().oldest_unsettled_age is None
@@ -209,6 +220,10 @@ def test_health_over_http_follows_the_consumer(driver: Driver) -> None:
         assert consumer.health().state == "stopped"
         assert _get(server.url + "/livez")[0] == 503
         assert _get(server.url + "/readyz")[0] == 503
+        url = server.url
+    with pytest.raises(urllib.error.URLError):  # the block's end closed the server
+        urllib.request.urlopen(url + "/livez", timeout=2)
+    server.close()  # idempotent
 
 
 def test_health_is_not_ready_while_fetches_fail(driver: Driver) -> None:
@@ -231,7 +246,7 @@ def test_health_is_not_ready_while_fetches_fail(driver: Driver) -> None:
 
 def test_health_server_serves_both_drivers_at_once() -> None:
     """One HealthServer probes a Consumer and an AsyncConsumer together."""
-    from parity_drivers import driver_named
+    from two_drivers import driver_named
 
     with driver_named("sync") as sync, driver_named("async") as aio:
         broker = InMemoryBroker()

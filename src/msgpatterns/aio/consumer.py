@@ -66,18 +66,18 @@ from msgpatterns.aio.base import AsyncBroker
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.deadlines import DeadlineTracker
 from msgpatterns.errors import (
-    BrokerClosed,
     ConfigurationError,
     MalformedMessage,
     describe,
     seconds,
 )
-from msgpatterns.idempotency.batch import BatchGuard, guard_of
+from msgpatterns.idempotency.batch import guard_of
 from msgpatterns.message import Message
 from msgpatterns.observability import stats as _obs
 from msgpatterns.observability.stats import DeliveryScope, Health
 from msgpatterns.retry import RetryPolicy
 from msgpatterns.runtime.async_batches import AsyncBatches
+from msgpatterns.runtime.async_fetcher import AsyncFetcher
 from msgpatterns.runtime.async_flow import AsyncFlow
 from msgpatterns.runtime.async_rounds import AsyncRounds
 from msgpatterns.runtime.async_settling import AsyncSettling
@@ -85,10 +85,8 @@ from msgpatterns.runtime.clock import LoopTimer, VirtualClock
 from msgpatterns.runtime.driver import DriverBase, ack_deadline_passed
 from msgpatterns.runtime.gate import KeyGate
 from msgpatterns.runtime.health import health_snapshot, on_loop
-from msgpatterns.runtime.idle import jump_or_none
 from msgpatterns.runtime.lifecycle import Released, State
 from msgpatterns.runtime.options import check_batch
-from msgpatterns.runtime.rounds import Claimed
 from msgpatterns.runtime.stats import ConsumerStats
 
 __all__ = ["AsyncBatchHandler", "AsyncConsumer", "AsyncHandler"]
@@ -200,12 +198,9 @@ class AsyncConsumer(DriverBase):
         self._async_decoder = decoder is not None and is_async_callable(decoder)
         #: The batch claims of an async @idempotent handler on a lease checker (None:
         #: plain, or one transaction per message).
-        self._guard: BatchGuard | None = guard_of(handler, batch=batch)
-        guard = self._guard
+        guard = guard_of(handler, batch=batch)
         #: A RetryPolicy whose decide() is overridden sees every success too.
         self._plain_decide = type(self.retry).decide is RetryPolicy.decide
-        #: Fewest free slots for which a worker fetches itself (see _top_up).
-        self._top_up_min = max(1, min(fetch_batch, max_in_flight) // 4)
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: LoopTimer | None = None  # ack deadlines and retry timers
@@ -215,8 +210,6 @@ class AsyncConsumer(DriverBase):
         self._fetcher: asyncio.Task[None] | None = None
         self._stop_requested: asyncio.Event | None = None
         self._stopping: asyncio.Lock | None = None
-        self._until_idle = False
-        self._last_fetch: tuple[float, bool] | None = None  # (time.time(), succeeded)
         #: The slots, the ready queue, the retry scheduler and the wake-ups.
         self._flow = AsyncFlow(self.stats, VirtualClock(None, broker.now))
         #: Where deliveries report their outcome (settler -> broker -> freed slot).
@@ -224,20 +217,24 @@ class AsyncConsumer(DriverBase):
             broker=broker, settler=self._settler, flow=self._flow,
             dead_letters=dead_letters, reporter=self._reporter, log=log)
         self._settler.rebind = self._settling.on_settled
-        #: The claim rounds of an @idempotent handler on a lease checker (a batch
-        #: handler uses only their sink of claimed deliveries).
+        #: The fetch loop, the workers' top-ups and the jumps of virtual time.
+        self._fetching = AsyncFetcher(
+            broker=broker, topics=self.topics, group=group, max_in_flight=max_in_flight,
+            fetch_batch=fetch_batch, poll_timeout=self.poll_timeout, stats=self.stats,
+            count=self._reporter.count, flow=self._flow, settling=self._settling,
+            request_stop=self._request_stop, log=log, name=self.name)
+        #: The claim rounds of an @idempotent handler on a lease checker.
         rounds = None if guard is None else AsyncRounds(
             guard, flow=self._flow, settling=self._settling, finishing=self._finishing,
             settle_unrun=self._settle_unrun, log=log, start_scope=self._start_scope)
-        self._rounds = None if batch else rounds
         self._unwatch: Callable[[], None] | None = None
-        #: The runs of a batch handler (None: a per-message handler).
-        self._batches = AsyncBatches(
-            handler=cast(AsyncBatchHandler, handler), guard=self._guard,
-            claimed_settled=None if rounds is None else rounds.claimed_settled,
-            settling=self._settling, flow=self._flow,
-            finishing=self._finishing, intake=self._intake, settle_unrun=self._settle_unrun,
-            start_scope=self._start_scope, log=log, name=self.name) if batch else None
+        #: The batch runs (None: a plain per-message handler).
+        self._batches = None if guard is None and not batch else AsyncBatches(
+            handler=handler, batch=batch, rounds=rounds, settling=self._settling,
+            flow=self._flow, finishing=self._finishing,
+            decode=None if decoder is None else self._decode,
+            settle_unrun=self._settle_unrun, start_scope=self._start_scope,
+            fetch_batch=fetch_batch, log=log, name=self.name)
 
     @property
     def _state(self) -> State:
@@ -263,7 +260,7 @@ class AsyncConsumer(DriverBase):
         self._stopping = asyncio.Lock()
         self._timer = LoopTimer(loop)
         gate = KeyGate() if self.ordered else None
-        self._flow.reset(loop, self._retry_clock(self._timer, self._until_idle), gate)
+        self._flow.reset(loop, self._retry_clock(self._timer, self._fetching.until_idle), gate)
         self._deadlines = (
             DeadlineTracker(self._timer, self.ack_timeout, partial(
                 ack_deadline_passed, ack_timeout=self.ack_timeout,
@@ -271,13 +268,15 @@ class AsyncConsumer(DriverBase):
                 count=self._reporter.count, log=log, settler=self._settler))
             if self.ack_timeout > 0 else None)
         self._settling.reset(loop, self._deadlines)
+        if self._batches is not None:
+            self._batches.deadlines = self._deadlines
         self._choose_paths()
         self._unwatch = _obs.watch_listener(self._choose_paths)
         self._state = State.RUNNING
         # One long-lived worker per slot: never more handlers run than messages held.
         self._workers = [asyncio.create_task(self._work(), name=f"{self.name}-worker-{i}")
                          for i in range(self.max_in_flight)]
-        self._fetcher = asyncio.create_task(self._fetch_loop(), name=f"{self.name}-fetch")
+        self._fetcher = asyncio.create_task(self._fetching.loop(), name=f"{self.name}-fetch")
         self._fetcher.add_done_callback(self._fetcher_ended)
 
     def _choose_paths(self) -> None:
@@ -403,16 +402,16 @@ class AsyncConsumer(DriverBase):
         """
         limit = seconds(timeout)
         self._check_open()
-        self._until_idle = True
+        self._fetching.until_idle = True
         await self.start()
         assert self._stop_requested is not None
         try:
             await asyncio.wait_for(self._stop_requested.wait(), limit)
         except TimeoutError:
-            self._until_idle = False
+            self._fetching.until_idle = False
             await self.stop(0)
             raise TimeoutError(f"{self.name} not idle after {limit}s: {self.stats}") from None
-        self._until_idle = False
+        self._fetching.until_idle = False
         await self.stop(self.shutdown_timeout)
         return self.stats
 
@@ -464,126 +463,12 @@ class AsyncConsumer(DriverBase):
                  and all(not task.done() for task in self._workers))
         return health_snapshot(name=self.name, state=self._state, alive=alive,
                                held_since=held_since, in_flight=len(held_since),
-                               last_fetch=self._last_fetch, broker=self.broker)
+                               last_fetch=self._fetching.last_fetch, broker=self.broker)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         log.info("%s: signal %s, shutting down", self.name, sig.name)
         if self._stop_requested is not None:
             self._stop_requested.set()
-
-    # -- fetching -------------------------------------------------------------------
-
-    async def _fetch_loop(self) -> None:
-        """Fetch while slots are free (the workers take what may run), and (until
-        idle) move virtual time when nothing can; exits when the consumer stops."""
-        flow = self._flow
-        slots = flow.slots
-        while self._state is State.RUNNING:
-            free = self.max_in_flight - len(slots)
-            if free <= 0:
-                # Full: only a settlement, or a held retry coming due, frees a slot.
-                if not (self._until_idle and slots.nothing_active()
-                        and self._jump(can_fetch=False)):
-                    await flow.wait_change(self.poll_timeout)
-                continue
-            if flow.fetching:  # a worker is topping up (see _top_up)
-                await flow.wait_change(self.poll_timeout)
-                continue
-            until_idle = self._until_idle
-            generation = slots.settled
-            flow.fetching = True
-            try:
-                messages = await self._fetch(min(free, self.fetch_batch),
-                                             0.0 if until_idle else None)
-            finally:
-                flow.fetching = False
-            if self._state is not State.RUNNING:
-                await self._settling.hand_back(messages)
-                return
-            if messages:
-                self._admit(messages)
-                continue
-            if not until_idle:
-                continue
-            if not slots.nothing_active():
-                if slots.settled == generation:
-                    await flow.wait_change(self.poll_timeout)
-            elif not self._jump(can_fetch=True):
-                if slots:  # retries due later in real time
-                    await flow.wait_change(self.poll_timeout)
-                else:
-                    self._request_stop()
-                    return
-
-    def _admit(self, messages: list[Message], *, taker: bool = False) -> None:
-        sink = self._settling.on_settled
-        for message in messages:
-            message.delivery.bind(sink)
-        self._flow.admit(messages, taker=taker)
-        self._reporter.count({"fetched": len(messages)})
-
-    def _may_top_up(self) -> bool:
-        """Running, and enough slots free for a worker's own fetch."""
-        return (self._flow.state is State.RUNNING
-                and self.max_in_flight - len(self._flow.slots) >= self._top_up_min)
-
-    async def _top_up(self) -> None:
-        """A worker found nothing ready: when enough slots are free and no fetch is
-        running, fetch without waiting (``timeout=0``) right here - the messages are
-        then taken without waking the fetch loop and idle workers first. A fetch that
-        returns after the stop began is handed back."""
-        flow = self._flow
-        if flow.fetching or not self._may_top_up():
-            return
-        flow.fetching = True
-        try:
-            messages = await self._fetch(
-                min(self.max_in_flight - len(flow.slots), self.fetch_batch), 0.0)
-        finally:
-            flow.fetching = False
-            flow.notify()
-        if self._state is not State.RUNNING:
-            await self._settling.hand_back(messages)
-        elif messages:
-            self._admit(messages, taker=True)
-
-    async def _fetch(self, count: int, timeout: float | None) -> list[Message]:
-        try:
-            messages: list[Message] = await self.broker.fetch(
-                self.topics, self.group, max_messages=count,
-                timeout=self.poll_timeout if timeout is None else timeout)
-            self._last_fetch = (time.time(), True)
-            return messages
-        except BrokerClosed:
-            self._last_fetch = (time.time(), False)
-            if self._state is State.RUNNING:
-                log.error("%s: the broker was closed while consuming; stopping", self.name)
-                self._request_stop()
-            return []
-        except Exception:
-            self._last_fetch = (time.time(), False)
-            self.stats.broker_errors += 1
-            self._reporter.count({"broker_errors": 1})
-            log.exception("%s: fetch failed; retrying", self.name)
-            await asyncio.sleep(min(self.poll_timeout, 1.0))
-            return []
-
-    def _jump(self, *, can_fetch: bool) -> bool:
-        """Nothing active: move virtual time to the next moment something can run
-        (:func:`msgpatterns.runtime.idle.jump`) and start the retries now due. True
-        when progress became possible."""
-        flow = self._flow
-        moved = jump_or_none(self.broker, self.topics, self.group, flow.scheduler,
-                             can_fetch=can_fetch, stats=self.stats,
-                             count=self._reporter.count, log=log, name=self.name)
-        if moved is None:
-            return False
-        fetchable, due = moved
-        for message in due:
-            flow.push(message)
-        if due:
-            flow.notify()
-        return bool(due) or fetchable
 
     # -- the workers ------------------------------------------------------------------
 
@@ -594,24 +479,22 @@ class AsyncConsumer(DriverBase):
         me = asyncio.current_task()
         assert me is not None
         flow, settling, finishing = self._flow, self._settling, self._finishing
+        fetching = self._fetching
         ready = flow.ready
         handler = self.handler if self.decoder is None else self._decode_and_call
-        deadlines, rounds, batches = self._deadlines, self._rounds, self._batches
+        deadlines, batches = self._deadlines, self._batches
         while True:
-            if not ready and not flow.fetching and self._may_top_up():
+            if not ready and not flow.fetching and fetching.may_top_up():
                 finishing.add(me)  # a fetch is not cancelled: what it brings is handed back
                 try:
-                    await self._top_up()
+                    await fetching.top_up()
                 finally:
                     finishing.discard(me)
             item = ready.popleft() if ready else await flow.next()
             if item is None or self._state is State.STOPPED:
                 return
-            if batches is not None:  # no claimed items in the queue: only messages
-                await batches.run(self._take_ready(cast(Message, item)), me)
-                continue
-            if rounds is not None:
-                await rounds.item(item, self._take_round)
+            if batches is not None:  # batch claims, or a batch handler
+                await batches.item(item)
                 continue
             message = cast(Message, item)
             if message.acked:
@@ -689,39 +572,7 @@ class AsyncConsumer(DriverBase):
             return malformed
         return None
 
-    # -- batch claims of an async @idempotent handler ---------------------------------
-
-    async def _take_round(self, first: Message) -> list[Message]:
-        """A new claim round: ``first`` and the ready messages after it, the deadlines
-        started and the bodies decoded (see :meth:`_take_ready`, :meth:`_intake`)."""
-        return await self._intake(self._take_ready(first))
-
-    def _take_ready(self, first: Message) -> list[Message]:
-        """``first`` and the ready messages after it (not claimed ones), up to
-        ``fetch_batch``."""
-        chunk = [first]
-        ready = self._flow.ready
-        while len(chunk) < self.fetch_batch and ready and not isinstance(ready[0], Claimed):
-            chunk.append(cast(Message, ready.popleft()))
-        return chunk
-
-    async def _intake(self, messages: list[Message]) -> list[Message]:
-        """Start the deadlines and decode; the messages left to run (not handed back,
-        decodable; a malformed one is settled here)."""
-        live = [message for message in messages if not message.acked]
-        if self._deadlines is not None:
-            for message in live:
-                self._deadlines.track(message)
-        if self.decoder is None:
-            return live
-        decoded: list[Message] = []
-        for message in live:
-            malformed = await self._decode(message)
-            if malformed is None:
-                decoded.append(message)
-            else:
-                await self._settle_unrun(message, malformed)
-        return decoded
+    # -- messages whose handler does not run ----------------------------------------
 
     async def _settle_unrun(self, message: Message, error: BaseException | None) -> None:
         """Settle a message whose handler does not run (a duplicate: success; a key in

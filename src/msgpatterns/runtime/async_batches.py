@@ -1,15 +1,16 @@
-"""The asyncio driver's batch handlers: ``AsyncConsumer(..., batch=True)``.
+"""The asyncio driver's batch runs: the batch claims of an async ``@idempotent``
+handler and batch handlers (``AsyncConsumer(..., batch=True)``).
 
-The asyncio twin of the thread driver's batch runs, on the same rules
-(:mod:`.batches`): one ``await handler(messages)`` per batch of ready messages (up to
-``fetch_batch``), then every message settled on its own - successes acked (their
-claims completed first when the handler is ``@idempotent``), failures (the batch's
-error, or their :class:`~msgpatterns.errors.PartialFailure` entry) through the retry
-policy one by one, explicit acks left to the handler. Only the waiting differs: the
-worker task that ran the handler awaits the claims and the settlements itself.
+The asyncio twin of :mod:`.thread_batches`, on the same sans-I/O cores: a worker that
+takes a ready message takes the ready messages after it too (up to ``fetch_batch``) -
+for one ``await handler(messages)`` (:func:`msgpatterns.runtime.batches.run_batch`:
+every message then settled on its own, the claims of an ``@idempotent`` handler
+finished first), or for a new claim round (:mod:`msgpatterns.runtime.rounds`). Only
+the waiting differs: the worker task awaits each operation itself, marked settling
+(``stop()`` lets it end) while it awaits anything but the handler.
 
-A stop that cancels the handler (its messages were handed back already) releases the
-claims the call held, so no key stays PROCESSING until its lease runs out.
+A stop that cancels a batch handler (its messages were handed back already) releases
+the claims the call held, so no key stays PROCESSING until its lease runs out.
 """
 
 from __future__ import annotations
@@ -17,180 +18,154 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
-from msgpatterns.idempotency.batch import BatchGuard, Entry
+from msgpatterns.deadlines import DeadlineTracker
+from msgpatterns.errors import MalformedMessage
 from msgpatterns.message import Message
-from msgpatterns.observability import stats as _obs
-from msgpatterns.observability.stats import DeliveryScope, Listener
 from msgpatterns.runtime.async_flow import AsyncFlow
+from msgpatterns.runtime.async_rounds import AsyncRounds, settling_work
 from msgpatterns.runtime.async_settling import AsyncSettling
-from msgpatterns.runtime.batches import begin_all, judge_batch, sort_prepared
+from msgpatterns.runtime.batches import run_batch
 from msgpatterns.runtime.lifecycle import State
+from msgpatterns.runtime.rounds import (
+    STOPPED,
+    AckAll,
+    CallBatch,
+    Claimed,
+    Fail,
+    StartScope,
+    adrive,
+)
 
 __all__ = ["AsyncBatches"]
 
-Task = asyncio.Task[Any]
-R = TypeVar("R")
-
 
 class AsyncBatches:
-    """Runs the batch handler of one asyncio consumer.
+    """Runs the batches of one asyncio consumer.
 
     Args:
-        handler: the ``async def handler(messages)``.
-        guard: its batch claims when it is ``@idempotent`` on a lease checker.
+        handler: the handler (the ``async def handler(messages)`` when ``batch``).
+        batch: it is a batch handler.
+        rounds: the claim rounds when it is ``@idempotent`` on a lease checker.
         settling: where settlements are carried out.
-        flow: the consumer's flow (its state tells a stop's cancellation apart).
+        flow: the consumer's flow (its ready queue; its state tells a stop's
+            cancellation apart).
         finishing: the consumer's set of worker tasks that a stop must not cancel now.
-        intake: starts the deadlines and decodes; returns the messages left to run.
+        decode: decodes a message's body; the error that settles it instead (None:
+            no decoder).
         settle_unrun: settles a message whose handler does not run.
         start_scope: opens a message's telemetry scope.
-        log: the consumer's logger; ``name``: its name.
+        fetch_batch: the largest batch; ``log``: the consumer's logger; ``name``: its
+            name.
     """
 
-    def __init__(self, *, handler: Callable[[list[Message]], Any],
-                 guard: BatchGuard | None, settling: AsyncSettling, flow: AsyncFlow,
-                 finishing: set[Task],
-                 claimed_settled: Callable[[Entry, Message, BaseException | None], None]
-                 | None,
-                 intake: Callable[[list[Message]], Awaitable[list[Message]]],
+    def __init__(self, *, handler: Callable[[Any], Any], batch: bool,
+                 rounds: AsyncRounds | None, settling: AsyncSettling, flow: AsyncFlow,
+                 finishing: set[asyncio.Task[Any]],
+                 decode: Callable[[Message], Awaitable[MalformedMessage | None]] | None,
                  settle_unrun: Callable[[Message, BaseException | None], Awaitable[None]],
-                 start_scope: Callable[[Listener, Message], DeliveryScope | None],
-                 log: logging.Logger, name: str) -> None:
+                 start_scope: StartScope, fetch_batch: int, log: logging.Logger,
+                 name: str) -> None:
         self.handler = handler
-        self.guard = guard
-        #: The sink of a claimed delivery settled outside the call (its claim finished
-        #: first): the claim rounds' (:meth:`AsyncRounds.claimed_settled`).
-        self.claimed_settled = claimed_settled
+        self.batch = batch
+        self.rounds = rounds
         self.settling = settling
         self.flow = flow
-        self.finishing = finishing
-        self.intake = intake
+        self.decode = decode
         self.settle_unrun = settle_unrun
         self.start_scope = start_scope
+        self.fetch_batch = fetch_batch
         self.log = log
         self.name = name
+        #: The ack deadlines of the current run (set at start).
+        self.deadlines: DeadlineTracker[Message] | None = None
+        #: What awaits each operation of a batch handler's run: all but the call are
+        #: settling work (``stop()`` does not cancel them).
+        self.ops: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
+            Fail: settling_work(finishing, self._fail),
+            AckAll: settling_work(finishing, self._ack_all),
+            **({} if rounds is None else rounds.ops), CallBatch: self._call,
+        }
 
-    async def run(self, messages: list[Message], me: Task) -> None:
-        """One batch of ready messages, run by the worker task ``me``."""
+    async def item(self, item: Message | Claimed) -> None:
+        """A worker's item: a claimed message of a round under way (run it), or a
+        ready message - it and the ready messages after it make a batch. Re-raises
+        ``CancelledError`` when the stop cancelled a handler run."""
+        if self.batch:  # no claimed items in the queue: only messages
+            assert isinstance(item, Message)
+            await self.run_batch(self.take_ready(item))
+            return
+        assert self.rounds is not None
+        await self.rounds.item(item, self.take_round)
+
+    async def run_batch(self, messages: list[Message]) -> None:
+        """One batch of ready messages for the batch handler."""
         try:
-            await self._run(await self.intake(messages), me)
+            outcome = await adrive(
+                run_batch(None if self.rounds is None else self.rounds.core,
+                          await self.intake(messages), start_scope=self.start_scope,
+                          log=self.log, name=self.name), self.ops)
         except asyncio.CancelledError:
             raise
         except BaseException:  # the worker survives whatever happens
             self.log.exception("%s: running a batch of %d messages failed", self.name,
                                len(messages))
-
-    async def _run(self, live: list[Message], me: Task) -> None:
-        guard = self.guard
-        entries: dict[Message, Entry] = {}
-        later: list[Message] = []
-        if guard is not None and live:
-            live, later, entries = await self._claim(guard, live, me)
-        if not live:
-            if later:
-                await self._run([m for m in later if not m.acked], me)
             return
-        listener = _obs.listener
-        scopes = None if listener is None else [self.start_scope(listener, m) for m in live]
-        handler = self.handler if guard is None else guard.handler
-        error: BaseException | None = None
+        if outcome is STOPPED:  # the stop cancelled the handler: the worker ends
+            raise asyncio.CancelledError
+
+    async def take_round(self, first: Message) -> list[Message]:
+        """A new claim round: ``first`` and the ready messages after it, the deadlines
+        started and the bodies decoded (see :meth:`take_ready`, :meth:`intake`)."""
+        return await self.intake(self.take_ready(first))
+
+    def take_ready(self, first: Message) -> list[Message]:
+        """``first`` and the ready messages after it (not claimed ones), up to
+        ``fetch_batch``."""
+        chunk = [first]
+        ready = self.flow.ready
+        while len(chunk) < self.fetch_batch and ready and not isinstance(ready[0], Claimed):
+            chunk.append(ready.popleft())  # type: ignore[arg-type]  # not Claimed
+        return chunk
+
+    async def intake(self, messages: list[Message]) -> list[Message]:
+        """Start the deadlines and decode; the messages left to run (not handed back,
+        decodable; a malformed one is settled here)."""
+        live = [message for message in messages if not message.acked]
+        if self.deadlines is not None:
+            for message in live:
+                self.deadlines.track(message)
+        if self.decode is None:
+            return live
+        decoded: list[Message] = []
+        for message in live:
+            malformed = await self.decode(message)
+            if malformed is None:
+                decoded.append(message)
+            else:
+                await self.settle_unrun(message, malformed)
+        return decoded
+
+    # -- the operations of a batch handler's run ------------------------------------
+
+    async def _call(self, op: CallBatch) -> Any:
+        handler = self.handler if self.rounds is None else self.rounds.guard.handler
         try:
-            await handler(list(live))
+            await handler(op.messages)
         except asyncio.CancelledError as exc:
             if self.flow.state is State.STOPPED:  # stop() cancelled it: handed back
-                _close(scopes)
-                if guard is not None and entries:  # its keys are free again
-                    await self._finish(guard, [], list(entries.values()), me)
-                raise
-            error = exc  # the handler's own cancellation fails the batch
+                return STOPPED
+            return exc  # the handler's own cancellation fails the batch
         except BaseException as exc:  # SystemExit & co fail the batch, not the worker
-            error = exc
-        if error is None and guard is None and scopes is None:
-            # The common case: every message returned (ack_all leaves alone those the
-            # handler settled or acks itself).
-            await self._finishing(self.settling.ack_all(live), me)
-            return
-        try:
-            await self._settle(live, error, entries, scopes, me)
-        finally:
-            _close(scopes)
-        if later:  # repeats of keys this batch held: duplicates now (or run)
-            await self._run([m for m in later if not m.acked], me)
+            return exc
+        return None
 
-    async def _claim(self, guard: BatchGuard, live: list[Message],
-                     me: Task) -> tuple[list[Message], list[Message], dict[Message, Entry]]:
-        """One claim round trip for ``live``: settle those whose handler does not run;
-        the messages the handler receives, those to prepare again after this batch, and
-        the claimed entries by message."""
-        prepared = sort_prepared(await self._finishing(guard.aprepare(live), me))
-        for entry in prepared.unrun:
-            await self.settle_unrun(entry.message, entry.error)
-        for entry in prepared.runs:
-            if entry.claim is not None:  # whoever settles it finishes its claim first
-                assert self.claimed_settled is not None  # given with a guard
-                entry.message.delivery.bind(partial(self.claimed_settled, entry))
-        run, release = begin_all(guard, prepared.runs)
-        if release:  # settled before the call: their keys are free again
-            await self._finish(guard, [], release, me)
-        return run, prepared.later, {entry.message: entry for entry in prepared.runs}
-
-    async def _settle(self, live: list[Message], error: BaseException | None,
-                      entries: dict[Message, Entry], scopes: list[DeliveryScope | None] | None,
-                      me: Task) -> None:
-        """Settle each message of the call on ``live`` that ended with ``error``."""
-        outcome = judge_batch(live, error, log=self.log, name=self.name)
-        if scopes is not None:
-            for index, scope in enumerate(scopes):
-                if scope is not None:
-                    _obs.report(scope.handler_returned, outcome.error_of(index))
+    async def _fail(self, op: Fail) -> None:
         settling = self.settling
-        self.finishing.add(me)  # claims and settlements under way are not cancelled
-        try:
-            guard = self.guard
-            if guard is not None and entries:
-                done, failed, explicit = outcome.claims(entries)
-                await self._finish(guard, done, failed, me)
-                for entry in explicit:  # their claims are finished when acked ...
-                    if guard.end(entry):  # ... or now, when that came during the call
-                        returned = entry.message.ack_error is None
-                        await self._finish(guard, [entry] if returned else [],
-                                           [] if returned else [entry], me)
-                for entry in failed:  # nothing left to finish: settled right here
-                    entry.message.delivery.bind(settling.on_settled)
-            for message, failed_with in outcome.raised:
-                settled = settling.finish(message, failed_with)
-                if settled is not None:
-                    await settling.settle(message, settled[0])
-            await settling.ack_all(outcome.returned)
-        finally:
-            self.finishing.discard(me)
+        outcome = settling.finish(op.message, op.error)
+        if outcome is not None:
+            await settling.settle(op.message, outcome[0])
 
-    async def _finish(self, guard: BatchGuard, returned: list[Entry], raised: list[Entry],
-                      me: Task) -> None:
-        """Complete the claims of ``returned`` and release those of ``raised`` (if still
-        open); a store failure is logged (the effects happened: settle anyway)."""
-        try:
-            await self._finishing(guard.afinish(returned, raised), me)
-        except Exception:
-            self.log.exception("%s: finishing %d idempotency claims failed", self.name,
-                               len(returned) + len(raised))
-
-    async def _finishing(self, work: Awaitable[R], me: Task) -> R:
-        """Await ``work`` with ``me`` marked as finishing: a stop lets it end."""
-        if me in self.finishing:  # marked by the caller already
-            return await work
-        self.finishing.add(me)
-        try:
-            return await work
-        finally:
-            self.finishing.discard(me)
-
-
-def _close(scopes: list[DeliveryScope | None] | None) -> None:
-    if scopes is not None:
-        for scope in reversed(scopes):
-            if scope is not None:
-                _obs.report(scope.close)
+    async def _ack_all(self, op: AckAll) -> None:
+        await self.settling.ack_all(op.messages)

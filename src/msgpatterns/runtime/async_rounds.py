@@ -49,7 +49,27 @@ from msgpatterns.runtime.rounds import (
     adrive,
 )
 
-__all__ = ["AsyncRounds"]
+__all__ = ["AsyncRounds", "settling_work"]
+
+
+def settling_work(finishing: set[asyncio.Task[Any]],
+                  perform: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+    """``perform``, with the task awaiting it marked settling (in ``finishing``, the
+    consumer's set of workers a stop lets finish) meanwhile."""
+
+    async def settling(op: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        mine = task not in finishing
+        if mine:
+            finishing.add(task)
+        try:
+            return await perform(op)
+        finally:
+            if mine:
+                finishing.discard(task)
+
+    return settling
 
 
 class AsyncRounds:
@@ -81,12 +101,12 @@ class AsyncRounds:
         self._settle_unrun = settle_unrun
         self._start_scope = start_scope
         self._name = settling.settler.name
-        settling_work = self._settling_work
         #: What awaits each operation of the rounds (returns its answer). Every one but
-        #: a handler run is settling work: ``stop()`` does not cancel it.
-        self._ops: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
+        #: a handler run is settling work: ``stop()`` does not cancel it. (A batch
+        #: handler's run adds its call: :class:`~.async_batches.AsyncBatches`.)
+        self.ops: dict[type[Any], Callable[[Any], Awaitable[Any]]] = {
             Run: self._run, WakeWriter: self._wake,
-            **{kind: settling_work(perform) for kind, perform in (
+            **{kind: settling_work(finishing, perform) for kind, perform in (
                 (Write, self._write), (AckAll, self._ack_all), (Prepare, self._prepare),
                 (Bind, self._bind), (Share, self._share), (SettleUnrun, self._unrun),
                 (Fail, self._fail), (Close, self._close), (Settle, self._settle),
@@ -94,26 +114,7 @@ class AsyncRounds:
         }
 
     async def _drive(self, steps: Steps[Any]) -> Any:
-        return await adrive(steps, self._ops)
-
-    def _settling_work(self, perform: Callable[[Any], Awaitable[Any]]
-                       ) -> Callable[[Any], Awaitable[Any]]:
-        """``perform``, with the task marked settling while it awaits it."""
-        finishing = self.finishing
-
-        async def settling(op: Any) -> Any:
-            task = asyncio.current_task()
-            assert task is not None
-            mine = task not in finishing
-            if mine:
-                finishing.add(task)
-            try:
-                return await perform(op)
-            finally:
-                if mine:
-                    finishing.discard(task)
-
-        return settling
+        return await adrive(steps, self.ops)
 
     # -- what the consumer asks -------------------------------------------------------
 

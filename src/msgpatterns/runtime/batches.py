@@ -16,19 +16,38 @@ One call, per message of the list it received:
 A message settled while the call ran (its own ``ack``/``ack(error)``, its ack deadline,
 a stop) keeps that first settlement: settle-once ignores the later one. Its claim
 still follows the call: a handler that returned has its effect recorded.
+
+One batch run (:func:`run_batch`) is a procedure of the claim rounds' kind
+(:mod:`msgpatterns.runtime.rounds`): a generator that yields the operations it needs
+(the claim round trip, :class:`~msgpatterns.runtime.rounds.CallBatch`, the claims'
+writes, the settlements) and receives their answers. The thread driver
+(:mod:`msgpatterns.runtime.thread_batches`) performs them blocking, the asyncio driver
+(:mod:`msgpatterns.runtime.async_batches`) awaits them: every decision is made here,
+once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from msgpatterns.errors import PartialFailure
-from msgpatterns.idempotency.batch import BatchGuard, Entry
+from msgpatterns.idempotency.batch import Entry
 from msgpatterns.message import Message
-from msgpatterns.runtime.rounds import expired
+from msgpatterns.observability import stats as _obs
+from msgpatterns.observability.stats import DeliveryScope
+from msgpatterns.runtime.rounds import (
+    STOPPED,
+    AckAll,
+    CallBatch,
+    ClaimRounds,
+    Fail,
+    StartScope,
+    Steps,
+)
 
-__all__ = ["BatchOutcome", "Prepared", "begin_all", "judge_batch", "sort_prepared"]
+__all__ = ["BatchOutcome", "judge_batch", "run_batch"]
 
 
 class BatchOutcome:
@@ -51,31 +70,6 @@ class BatchOutcome:
     def error_of(self, index: int) -> BaseException | None:
         """The outcome of the call's ``index``-th message (None: it returned)."""
         return None if self.errors is None else self.errors[index]
-
-    def claims(self, entries: Mapping[Message, Entry]) -> tuple[list[Entry], list[Entry],
-                                                                   list[Entry]]:
-        """The claims of ``entries`` (message -> its claimed entry) this call finishes:
-        to complete (returned: the handler's effect is recorded even when the
-        message's ack deadline or a stop settled it meanwhile), to release (raised, or
-        failed by the handler's own ``message.ack(error)``), and those of the messages
-        awaiting their explicit ack (finished when acked - or now, see
-        :meth:`BatchGuard.end <msgpatterns.idempotency.batch.BatchGuard.end>`)."""
-        done: list[Entry] = []
-        failed = [entries[m] for m, _ in self.raised if m in entries]
-        for message in self.returned:
-            entry = entries.get(message)
-            if entry is None:
-                continue
-            error = message.delivery.error
-            if error is not None and not expired(error):
-                # It acked itself with an error during the call: a failure. (Its
-                # settlement released the claim already where that runs inline; on the
-                # asyncio driver it may still be on its way.)
-                failed.append(entry)
-            else:
-                done.append(entry)
-        explicit = [entries[m] for m in self.explicit if m in entries]
-        return done, failed, explicit
 
 
 def judge_batch(live: Sequence[Message], error: BaseException | None, *,
@@ -112,46 +106,59 @@ def judge_batch(live: Sequence[Message], error: BaseException | None, *,
     return BatchOutcome(returned, raised, explicit, errors)
 
 
-class Prepared:
-    """One batch claim's entries, sorted: those whose handler runs (``runs``), those to
-    settle without running it (``unrun``: a duplicate as a success, a key in progress,
-    a missing key... with their error), and those to prepare again once the claims of
-    ``runs`` are finished (``later``: their key is held by an earlier message of the
-    same batch)."""
+def run_batch(rounds: ClaimRounds | None, live: list[Message], *, start_scope: StartScope,
+              log: logging.Logger, name: str) -> Steps[Any]:
+    """One run of a batch handler on ``live`` (their deadlines started, their bodies
+    decoded): when it is ``@idempotent`` (``rounds``), one claim round trip first -
+    the handler receives only the claimed messages - then one :class:`CallBatch`,
+    then each message settled on its own (:func:`judge_batch`; the claims finished
+    first: DONE before ack). The repeats of keys the batch held run next, as a batch
+    of their own (duplicates now, or run if the first copy failed). Returns
+    :data:`~msgpatterns.runtime.rounds.STOPPED` when the stop cancelled the handler
+    (its claims released)."""
+    while True:
+        entries: dict[Message, Entry] = {}
+        later: list[Message] = []
+        if rounds is not None and live:
+            runs, later = yield from rounds.prepared(live)
+            entries = {entry.message: entry for entry in runs}
+            live = yield from rounds.begin_all(runs)
+        if live:
+            listener = _obs.listener
+            scopes = None if listener is None else [start_scope(listener, m) for m in live]
+            error = yield CallBatch(list(live))
+            if error is STOPPED:  # the stop cancelled it: its messages were handed back
+                _close(scopes)
+                if rounds is not None:
+                    yield from rounds.batch_stopped(entries)
+                return STOPPED
+            if error is None and rounds is None and scopes is None:
+                # The common case: every message returned; those the handler settled
+                # or acks itself are left alone (AckAll leaves them alone).
+                yield AckAll(live)
+                return None
+            outcome = judge_batch(live, error, log=log, name=name)
+            try:
+                if scopes is not None:
+                    for index, scope in enumerate(scopes):
+                        if scope is not None:
+                            _obs.report(scope.handler_returned, outcome.error_of(index))
+                if rounds is not None:  # claims finished first: DONE before ack
+                    yield from rounds.batch_ran(entries, outcome.returned, outcome.raised,
+                                                outcome.explicit)
+                else:
+                    for message, failed_with in outcome.raised:
+                        yield Fail(message, failed_with)
+                    yield AckAll(outcome.returned)
+            finally:
+                _close(scopes)
+        if not later:
+            return None
+        live = [m for m in later if not m.acked]  # repeats of keys this batch held
 
-    __slots__ = ("later", "runs", "unrun")
 
-    def __init__(self) -> None:
-        self.runs: list[Entry] = []
-        self.unrun: list[Entry] = []
-        self.later: list[Message] = []
-
-
-def sort_prepared(entries: Sequence[Entry]) -> Prepared:
-    """Sort the entries :meth:`BatchGuard.prepare` returned."""
-    prepared = Prepared()
-    for entry in entries:
-        if entry.later:
-            prepared.later.append(entry.message)
-        elif entry.run:
-            prepared.runs.append(entry)
-        else:
-            prepared.unrun.append(entry)
-    return prepared
-
-
-def begin_all(guard: BatchGuard, runs: Sequence[Entry]) -> tuple[list[Message], list[Entry]]:
-    """Begin the claims of ``runs`` (from now on the call finishes them): the messages
-    the batch handler receives, and the entries whose claim the caller must release
-    now - their message was settled (handed back, expired) after the claim and
-    before the call. An entry whose claim was finished already is left out."""
-    live: list[Message] = []
-    release: list[Entry] = []
-    for entry in runs:
-        if not guard.begin(entry):
-            continue  # released when it was settled
-        if entry.message.delivery.settled:
-            release.append(entry)
-            continue
-        live.append(entry.message)
-    return live, release
+def _close(scopes: list[DeliveryScope | None] | None) -> None:
+    if scopes is not None:
+        for scope in reversed(scopes):
+            if scope is not None:
+                _obs.report(scope.close)

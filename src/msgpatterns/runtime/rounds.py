@@ -26,6 +26,11 @@ yields what it needs done - an *operation* (:data:`Op`) - and receives its answe
 The thread driver (:mod:`msgpatterns.runtime.thread_rounds`) performs the operations
 with threads, the asyncio driver (:mod:`msgpatterns.runtime.async_rounds`) awaits
 them: so both drivers share every decision and differ only in how they wait.
+
+A batch handler's claims (the handler gets the list) are steps of the same machine
+(:meth:`~ClaimRounds.prepared`, :meth:`~ClaimRounds.begin_all`,
+:meth:`~ClaimRounds.batch_ran`, :meth:`~ClaimRounds.batch_stopped`), driven by one
+batch-run procedure (:func:`msgpatterns.runtime.batches.run_batch`) on both drivers.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ __all__ = [
     "STOPPED",
     "AckAll",
     "Bind",
+    "CallBatch",
     "Claimed",
     "ClaimRounds",
     "Close",
@@ -220,6 +226,15 @@ class Run:
 
 
 @dataclass(slots=True)
+class CallBatch:
+    """Call the batch handler (``batch=True``; the undecorated function when it is
+    ``@idempotent``) with ``messages``. Answer: the error it raised, None, or
+    :data:`STOPPED`."""
+
+    messages: list[Message]
+
+
+@dataclass(slots=True)
 class Write:
     """Rule 2 for ``returned``, then rule 3 for ``raised`` (:meth:`BatchGuard.finish`,
     or awaited: ``afinish``); a failure is logged, never raised (the leases expire)."""
@@ -276,8 +291,8 @@ class WakeWriter:
     Answer: what that returned (:data:`STOPPED` or None), or None."""
 
 
-Op = (Prepare | Bind | SettleUnrun | Share | Run | Write | AckAll | Fail | Close | Settle
-      | Pause | WakeWriter)
+Op = (Prepare | Bind | SettleUnrun | Share | Run | CallBatch | Write | AckAll | Fail | Close
+      | Settle | Pause | WakeWriter)
 #: A procedure in progress: yields operations, receives their answers, returns R.
 Steps = Generator[Op, Any, R]
 
@@ -511,6 +526,14 @@ class ClaimRounds:
             yield Fail(message, failed_with)
         if returned:
             yield AckAll(returned)
+
+    @staticmethod
+    def batch_stopped(entries: Mapping[Message, Entry]) -> Steps[None]:
+        """The stop cancelled a batch handler (asyncio; its messages were handed back):
+        the claims it held are released - their keys are free again at once, not when
+        their leases run out."""
+        if entries:
+            yield Write((), list(entries.values()))
 
 
 #: What performs each kind of operation: its driver's function, given the operation,

@@ -81,8 +81,9 @@ class ThreadRounds:
         self._to_write = threading.Event()
         self._writer: threading.Thread | None = None
         self._writer_stop = False
-        #: What carries out each operation of the rounds (returns its answer).
-        self._ops: dict[type[Any], Callable[[Any], Any]] = {
+        #: What carries out each operation of the rounds (returns its answer; a batch
+        #: handler's run adds its call: :class:`~msgpatterns.runtime.thread_batches.ThreadBatches`).
+        self.ops: dict[type[Any], Callable[[Any], Any]] = {
             Run: self._run, WakeWriter: self._wake, Write: self._write,
             AckAll: self._ack_all, Prepare: self._prepare, Bind: self._bind,
             Share: self._share, SettleUnrun: self._unrun, Fail: self._fail,
@@ -94,7 +95,7 @@ class ThreadRounds:
     def round(self, live: list[Message], lanes: OrderedExecutor | None = None) -> None:
         """One claim round for ``live`` (this worker runs the first handler, or all go
         to their keys' ``lanes``)."""
-        drive(self.core.round(live, lanes), self._ops)
+        drive(self.core.round(live, lanes), self.ops)
 
     def run(self, claimed: Claimed) -> None:
         """Run a claimed message a worker took from the ready queue
@@ -103,11 +104,11 @@ class ThreadRounds:
         core = self.core
         step = core.begin(claimed)
         if not isinstance(step, Run):
-            drive(step, self._ops)
+            drive(step, self.ops)
             return
         after = core.ran(claimed, self._run(step))
         if after is not None:
-            drive(after, self._ops)
+            drive(after, self.ops)
 
     def run_on_lane(self, claimed: Claimed) -> None:
         """Run a claimed message on its key's lane (ordered mode)."""
@@ -119,21 +120,6 @@ class ThreadRounds:
             self.log.exception("%s: running message %s failed", self._name,
                                escape_control(message.id),
                                extra=self.settling.settler.extra(message))
-
-    def prepared(self, live: list[Message]) -> tuple[list[Entry], list[Message]]:
-        """A batch handler's claim round trip: (the entries to run, the messages to
-        prepare again after them); those that do not run are settled."""
-        return drive(self.core.prepared(live), self._ops)
-
-    def begin_all(self, runs: list[Entry]) -> list[Message]:
-        """The messages a batch handler runs (see :meth:`ClaimRounds.begin_all`)."""
-        return drive(self.core.begin_all(runs), self._ops)
-
-    def batch_ran(self, entries: dict[Message, Entry], returned: list[Message],
-                  raised: list[tuple[Message, BaseException]],
-                  explicit: list[Message]) -> None:
-        """A batch handler ended (see :meth:`ClaimRounds.batch_ran`)."""
-        drive(self.core.batch_ran(entries, returned, raised, explicit), self._ops)
 
     # -- the writer thread ------------------------------------------------------------
 
@@ -163,7 +149,7 @@ class ThreadRounds:
             wake.wait()
             wake.clear()
             try:
-                drive(self.core.write_returned(), self._ops)
+                drive(self.core.write_returned(), self.ops)
             except BaseException:  # the writer survives whatever happens
                 self.log.exception("%s: completing idempotency claims failed", self._name)
             if self._writer_stop:
@@ -215,7 +201,7 @@ class ThreadRounds:
     def _claimed_settled(self, entry: Entry, message: Message,
                          error: BaseException | None) -> None:
         """The sink of a claimed delivery (see :meth:`ClaimRounds.settled`)."""
-        drive(self.core.settled(entry, message, error), self._ops)
+        drive(self.core.settled(entry, message, error), self.ops)
 
     def _share(self, op: Share) -> None:
         lanes = op.lanes

@@ -1,5 +1,7 @@
-"""``Consumer`` and ``AsyncConsumer`` behind one face: a parity test is written once and
-runs on both drivers (the ``driver`` fixture of ``tests/parity/conftest.py``).
+"""``Consumer`` and ``AsyncConsumer`` behind one face: a test is written once and runs
+on both drivers - the parity suite (``tests/parity/``, its ``driver`` fixture), the
+claim-round scenarios (``tests/claim_drivers.py``) - and the in-memory OpenTelemetry
+SDK those and ``tests/test_observability.py`` assert on (:class:`Otel`).
 
 A test writes its handler's *body* once, as a plain function of the message (or of
 the list of messages, for ``batch=True``). It does its work - records effects, raises,
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import tempfile
 import threading
 import time
 import uuid
@@ -29,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 from msgpatterns import Consumer, InMemoryBroker, Message
 from msgpatterns.aio import AsyncConsumer, AsyncInMemoryBroker
@@ -231,6 +236,12 @@ class Driver:
         """A handler of the other driver's kind (the wrong kind here)."""
         raise NotImplementedError
 
+    def plain(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``handler`` called from a plain function of the driver's kind: the runtime
+        sees no ``@idempotent`` handler (no batch claims: each message claims and
+        completes its own key)."""
+        raise NotImplementedError
+
     def consumer(self, broker: Any, handler: Callable[[Any], Any], *, topics: Any = "t",
                  group: str = "g", workers: int = 4, **options: Any) -> Running:
         """A consumer of ``topics`` in ``group``. ``broker``: an InMemoryBroker (the
@@ -253,13 +264,16 @@ class Driver:
         return make_consumer()
 
     @contextmanager
-    def checker(self, store: str, tmp_path: Path, **options: Any) -> Iterator[Any]:
+    def checker(self, store: str, tmp_path: Path | None = None,
+                **options: Any) -> Iterator[Any]:
         """The checker this driver's ``@idempotent`` handlers use on ``store``: the
         stores of :func:`~msgpatterns.testing.checker_fixtures.checker_for` for the sync
-        driver; for the async driver a MemoryChecker (it serves both), or an
-        AsyncRedisChecker on the real Redis (a namespace of its own, deleted after)."""
+        driver (``tmp_path``: where a SQLite one goes); for the async driver a
+        MemoryChecker (it serves both), or an AsyncRedisChecker on the real Redis (a
+        namespace of its own, deleted after)."""
         if not self.is_async or store == "memory":
-            with checker_for(store, tmp_path, **options) as checker:
+            where = Path(tempfile.gettempdir()) if tmp_path is None else tmp_path
+            with checker_for(store, where, **options) as checker:
                 yield checker
             return
         assert store == "redis", store
@@ -315,6 +329,12 @@ class SyncDriver(Driver):
 
         return handle
 
+    def plain(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def handle(message: Any) -> None:
+            handler(message)
+
+        return handle
+
     def consumer(self, broker: Any, handler: Callable[[Any], Any], *, topics: Any = "t",
                  group: str = "g", workers: int = 4, **options: Any) -> Running:
         return SyncRunning(Consumer(broker, handler, topics=topics, group=group,
@@ -352,6 +372,12 @@ class AsyncDriver(Driver):
 
         return handle
 
+    def plain(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        async def handle(message: Any) -> None:
+            await handler(message)
+
+        return handle
+
     def consumer(self, broker: Any, handler: Callable[[Any], Any], *, topics: Any = "t",
                  group: str = "g", workers: int = 4, **options: Any) -> Running:
         if isinstance(broker, InMemoryBroker):
@@ -379,6 +405,14 @@ class AsyncDriver(Driver):
         return self.loop.call(made())
 
 
+def publish(broker: InMemoryBroker, count: int, prefix: str = "o") -> list[str]:
+    """``count`` messages on ``orders``, each its own key (``{prefix}-{i}``, also its id)."""
+    ids = [f"{prefix}-{i}" for i in range(count)]
+    for message_id in ids:
+        broker.publish("orders", {"id": message_id}, id=message_id)
+    return ids
+
+
 @contextmanager
 def driver_named(name: str) -> Iterator[Driver]:
     made: Driver = SyncDriver() if name == "sync" else AsyncDriver()
@@ -389,7 +423,8 @@ def driver_named(name: str) -> Iterator[Driver]:
 
 
 class Otel:
-    """OpenTelemetry's SDK with in-memory exporters, installed as the listener."""
+    """OpenTelemetry's SDK with in-memory exporters (:func:`installed_otel` installs it
+    as the listener)."""
 
     def __init__(self) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
@@ -420,5 +455,27 @@ class Otel:
         return found
 
     def total(self, name: str, **attrs: str) -> int:
+        """The sum of the counter ``name``'s points whose attributes include ``attrs``."""
         return sum(int(p.value) for p in self.points(name)
                    if all(p.attributes.get(k) == v for k, v in attrs.items()))
+
+    def count(self, name: str) -> int:
+        """How many values the histogram ``name`` recorded."""
+        return sum(p.count for p in self.points(name))
+
+
+@contextmanager
+def installed_otel() -> Iterator[Otel]:
+    """An :class:`Otel` installed as the telemetry listener for the block (every
+    duration recorded: a test counts the histogram against the deliveries); the
+    ``otel`` fixtures. Skips the test without OpenTelemetry's SDK."""
+    pytest.importorskip("opentelemetry.sdk")
+    from msgpatterns.observability import instrument, uninstrument
+
+    o = Otel()
+    instrument(tracer_provider=o.tracer_provider, meter_provider=o.meter_provider,
+               duration_sample_rate=1.0)
+    try:
+        yield o
+    finally:
+        uninstrument()
