@@ -1,12 +1,11 @@
 """The broker conformance suite for the async adapters: the async fake, Redis Streams
-on redis.asyncio, RabbitMQ on aio-pika, NATS JetStream on nats-py (real servers) and Kafka (librdkafka's mock
-cluster), with the rules of
-tests/test_conformance.py (DESIGN 2, 3, 7): publish/fetch/ack; a nack delay is
-honoured and the retry carries the original payload and the headers at nack time; the
-attempt count survives redelivery, restart and crash; max_attempts ends in a full dead
-letter; an undecodable body is dead-lettered and the consumer keeps going;
-max_in_flight holds. Plus the shared wire format: a message retried by the sync adapter
-is read by the async one and back.
+on redis.asyncio, RabbitMQ on aio-pika, NATS JetStream on nats-py (real servers) and
+Kafka (librdkafka's mock cluster), with the rules of tests/test_conformance.py
+(DESIGN 2, 3, 7): publish/fetch/ack; a nack delay is honoured and the retry carries the
+original payload and the headers at nack time; the attempt count survives redelivery,
+restart and crash; max_attempts ends in a full dead letter; an undecodable body is
+dead-lettered and the consumer keeps going; max_in_flight holds. Plus the shared wire
+format: a message retried by the sync adapter is read by the async one and back.
 """
 
 from __future__ import annotations
