@@ -47,7 +47,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -235,15 +235,23 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         name = self.exchange_name(topic)
         try:
             side = await self._side_channel()
-            exchange = await side.get_exchange(name, ensure=False)
+            raw = await side.get_underlay_channel()
         except BrokerError as exc:
             raise failed(topic, [None] * len(batch), exc) from exc
-        # aiormq writes under a FIFO lock in the order the publishes start: the
+
+        async def send(payload: bytes, props: dict[str, Any]) -> None:
+            message = _amqp_message(payload, props)
+            # wait=False: queued for the writer without waiting for it to drain, so
+            # the whole batch is written before the first confirm comes back
+            await self._confirmed(raw.basic_publish(
+                message.body, exchange=name, routing_key=topic,
+                properties=message.properties, mandatory=True, wait=False),
+                what=f"exchange {name!r}")
+
+        # aiormq queues publishes under a FIFO lock in the order they start: the
         # batch's order (a key's order) is kept on the wire
-        outcomes = await asyncio.gather(
-            *(self._send(exchange, topic, _amqp_message(payload, props),
-                         what=f"exchange {name!r}") for _, payload, props in batch),
-            return_exceptions=True)
+        outcomes = await asyncio.gather(*(send(payload, props) for _, payload, props in batch),
+                                        return_exceptions=True)
         ids = [mid if outcome is None else None
                for (mid, _, _), outcome in zip(batch, outcomes, strict=True)]
         errors = [o for o in outcomes if isinstance(o, BaseException)]
@@ -490,8 +498,13 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
                     what: str) -> None:
         """Publish (mandatory) and wait for the confirm; unroutable (nacked, or returned:
         no queue bound) raises UnroutableError, any other failure BrokerError."""
+        await self._confirmed(exchange.publish(message, routing_key, mandatory=True),
+                              what=what)
+
+    async def _confirmed(self, publishing: Awaitable[Any], *, what: str) -> None:
+        """Await a publish until its confirm: :meth:`_send`'s outcomes."""
         try:
-            result = await exchange.publish(message, routing_key, mandatory=True)
+            result = await publishing
         except aio_pika.exceptions.DeliveryError as exc:
             raise UnroutableError(f"{self.name}: nothing would keep a message sent to "
                                   f"{what} (no queue bound); nothing was sent") from exc
