@@ -337,3 +337,96 @@ def test_the_ack_ledger_keeps_an_ack_until_an_echo_on_its_connection_confirms_it
     ledger.sent("$JS.ACK.d", 1)
     ledger.confirmed(echo, 1, 1)
     assert ledger.snapshot() == {"$JS.ACK.d": (1, b"")}
+
+
+# -- the native asyncio adapter ---------------------------------------------------------
+
+
+def test_async_close_hands_back_at_once_flushes_acks_and_then_refuses_everything(
+        nats_url: str, topic: str) -> None:
+    """AsyncNatsJetStreamBroker: what close() found unsettled is NAKed (back to the
+    group at once, ack_wait being far longer than the test), the acks sent just before
+    are confirmed, and every operation afterwards raises BrokerClosed."""
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    async def run() -> tuple[list[Message], list[bytes]]:
+        broker = AsyncNatsJetStreamBroker(nats_url, visibility_timeout=300)
+        await broker.publish_many(topic, [f"{i}".encode() for i in range(20)])
+        got: list[Message] = []
+        while len(got) < 20:
+            got += await broker.fetch(topic, "g", max_messages=20, timeout=1)
+        for message in got[:15]:
+            await broker.ack(message)
+        await broker.close()  # right after the acks; five never settled
+        for call in (lambda: broker.publish(topic, b"x"),
+                     lambda: broker.fetch(topic, "g"),
+                     lambda: broker.ack(got[15]),
+                     lambda: broker.nack(got[15], 1.0),
+                     lambda: broker.subscribe(topic, "g")):
+            with pytest.raises(BrokerClosed):
+                await call()
+        await broker.close()  # idempotent
+        async with AsyncNatsJetStreamBroker(nats_url, visibility_timeout=300) as again:
+            back: list[Message] = []
+            for _ in range(50):
+                back += await again.fetch(topic, "g", max_messages=20, timeout=0.2)
+                if len(back) >= 5:
+                    break
+            for message in back:
+                await again.ack(message)
+        return got, [m.raw_body for m in back]
+
+    got, back = asyncio.run(run())
+    assert sorted(back) == sorted(m.raw_body for m in got[15:])
+    assert consumer_state(nats_url, topic, "g") == (0, 0)
+
+
+def test_async_unreachable_server_fails_fast_with_a_typed_error() -> None:
+    require_library("nats", "AsyncNatsJetStreamBroker")
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    async def run() -> None:
+        broker = AsyncNatsJetStreamBroker("nats://127.0.0.1:1", connect_timeout=1.0)
+        try:
+            with pytest.raises(BrokerUnavailable, match=r"127\.0\.0\.1:1"):
+                await broker.connect()
+        finally:
+            await broker.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("bad", ["orders.*", "has space", "orders.__dlq"])
+def test_async_topics_that_are_not_plain_subjects_are_refused(nats_url: str,
+                                                              bad: str) -> None:
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    async def run() -> None:
+        async with AsyncNatsJetStreamBroker(nats_url) as broker:
+            with pytest.raises(ConfigurationError):
+                await broker.publish(bad, b"x")
+
+    asyncio.run(run())
+
+
+def test_async_dead_letter_admin_lists_and_replays_what_the_async_adapter_buried(
+        nats_url: str, topic: str) -> None:
+    from msgpatterns.aio import AsyncDeadLetters, AsyncNatsJetStreamBroker
+    from msgpatterns.deadletter import DeadLetter
+
+    async def run() -> None:
+        async with AsyncNatsJetStreamBroker(nats_url) as broker:
+            await broker.publish(topic, b"poison", key="p1")
+            [message] = await broker.fetch(topic, "g", max_messages=1, timeout=5)
+            record = DeadLetter.from_error(message, ValueError("no"), now=broker.now(),
+                                           reason="rejected", group="g")
+            await broker.dead_letter(message, record)
+            async with AsyncDeadLetters(broker.dead_letter_admin()) as admin:
+                [listed] = await admin.list_dead_letters(topic, "g")
+                assert listed.message.key == "p1" and listed.reason == "rejected"
+                assert await admin.replay_dead_letters(topic, "g") == 1
+            [replayed] = await broker.fetch(topic, "g", max_messages=1, timeout=5)
+            assert (replayed.key, replayed.attempt) == ("p1", 1)
+            await broker.ack(replayed)
+
+    asyncio.run(run())
