@@ -91,12 +91,16 @@ class JetStreamSession(ConfirmedAcks):
     _tls: Any
     _js: Any
     _streams: set[str]
+    _subscribing: asyncio.Lock
 
     def _start_session(self) -> None:
         """The session's state, before any connection (set by the adapter's
         constructor)."""
         self._streams = set()
         self._subs = {}
+        # one maker of a group's consumers at a time: two fetches racing to make them
+        # would leave one pull subscription orphaned, its deliveries waiting for ack_wait
+        self._subscribing = asyncio.Lock()
         self._acks = AckLedger()  # acks the server has not confirmed yet
         self._confirming = None
         self._echo = None  # the subscription that confirms them (made on first use)
@@ -221,6 +225,14 @@ class JetStreamSession(ConfirmedAcks):
 
     async def _subscriptions(self, topic: str, group: str) -> tuple[Any, Any]:
         slot = (topic, group)
+        subs: tuple[Any, Any] | None = self._subs.get(slot)
+        if subs is not None:
+            return subs
+        async with self._subscribing:
+            return await self._subscribe(slot)
+
+    async def _subscribe(self, slot: tuple[str, str]) -> tuple[Any, Any]:
+        topic, group = slot
         subs = self._subs.get(slot)
         if subs is None:
             stream = await self._stream(topic)
