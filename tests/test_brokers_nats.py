@@ -12,6 +12,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -430,3 +431,44 @@ def test_async_dead_letter_admin_lists_and_replays_what_the_async_adapter_buried
             await broker.ack(replayed)
 
     asyncio.run(run())
+
+
+def test_a_fetch_never_hands_out_more_than_asked_and_keeps_the_rest_for_the_next() -> None:
+    """nats-py's pull ``fetch(n)`` hands over every late answer its subscription holds,
+    which can be more than ``n`` (AsyncConsumer's max_in_flight was exceeded by it): the
+    session hands out ``n``, keeps the rest for the next fetch and hands them back on
+    close. Both adapters run this session; no server needed."""
+    require_library("nats", "AsyncNatsJetStreamBroker")
+    from msgpatterns.brokers.nats._session import JetStreamSession
+
+    class Main:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        async def fetch(self, batch: int, timeout: float) -> list[str]:
+            self.calls.append(batch)
+            return [f"late-{i}" for i in range(5)] if len(self.calls) == 1 else []
+
+    class Session(JetStreamSession):
+        def __init__(self) -> None:
+            self._closed = False
+            self._start_session()
+
+        async def _probe(self, probe: Any, limit: int) -> list[Any]:
+            return []
+
+        async def _message(self, msg: Any, topic: str, group: str) -> Message | None:
+            return Message(msg.encode(), id=msg)
+
+    async def run() -> tuple[list[list[str | None]], list[int], list[Any]]:
+        session = Session()
+        main = Main()
+        session._subs[("t", "g")] = (SimpleNamespace(sub=None), main)
+        rounds = [[m.id for m in await session._fetch(["t"], "g", 3, 0.01)]
+                  for _ in range(3)]
+        return rounds, main.calls, session._buffered()
+
+    rounds, calls, left = asyncio.run(run())
+    assert rounds == [["late-0", "late-1", "late-2"], ["late-3", "late-4"], []]
+    assert calls == [3, 1, 3]  # the second fetch asked only for what was still wanted
+    assert left == []  # nothing left to hand back on close

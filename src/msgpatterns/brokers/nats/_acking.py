@@ -43,6 +43,7 @@ class ConfirmedAcks:
     _fetches_done: asyncio.Event
     _echo_token: int
     _subs: dict[tuple[str, str], Any]
+    _carried: dict[tuple[str, str], list[Any]]
 
     def _connection(self) -> int:
         """Which connection the client is on (its reconnect count)."""
@@ -90,9 +91,11 @@ class ConfirmedAcks:
 
     def _buffered(self) -> list[Any]:
         """Deliveries that reached this client after their fetch ended (a pull
-        request answered late): the next fetch would have read them; on close they are
-        handed back. nats-py has no public way to take them off a pull subscription."""
-        found: list[Any] = []
+        request answered late), or that a fetch received beyond what it was asked for:
+        the next fetch would have read them; on close they are handed back. nats-py has
+        no public way to take them off a pull subscription."""
+        found: list[Any] = [msg for carried in self._carried.values() for msg in carried]
+        self._carried.clear()
         for probe, main in self._subs.values():
             for sub in (probe.sub, getattr(main, "_sub", None)):
                 queue = getattr(sub, "_pending_queue", None)

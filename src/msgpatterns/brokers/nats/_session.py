@@ -101,6 +101,10 @@ class JetStreamSession(ConfirmedAcks):
         # one maker of a group's consumers at a time: two fetches racing to make them
         # would leave one pull subscription orphaned, its deliveries waiting for ack_wait
         self._subscribing = asyncio.Lock()
+        # deliveries a fetch received beyond what it was asked for (nats-py's fetch
+        # hands over every late answer its subscription holds): the next fetch of the
+        # slot hands them out first, close() hands them back
+        self._carried = {}
         self._acks = AckLedger()  # acks the server has not confirmed yet
         self._confirming = None
         self._echo = None  # the subscription that confirms them (made on first use)
@@ -305,6 +309,9 @@ class JetStreamSession(ConfirmedAcks):
                     await self._probe(probe, limit - len(out)), topic, group))
         give_up = time.monotonic() + max(timeout, 0.01)
         for topic, (_, main) in subs:
+            carried = self._carried.get((topic, group))
+            while carried and len(out) < limit:
+                out.extend(await self._messages([carried.pop(0)], topic, group))
             if len(out) >= limit:
                 break
             # Wait only while nothing was found; then just take what is there.
@@ -313,6 +320,10 @@ class JetStreamSession(ConfirmedAcks):
                 msgs = await main.fetch(limit - len(out), timeout=wait)
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
+            wanted = limit - len(out)
+            if len(msgs) > wanted:  # never more than asked: the rest waits its turn
+                self._carried.setdefault((topic, group), []).extend(msgs[wanted:])
+                msgs = msgs[:wanted]
             out.extend(await self._messages(msgs, topic, group))
         return out
 
