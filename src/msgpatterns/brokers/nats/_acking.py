@@ -1,11 +1,13 @@
-"""The acks of :class:`~msgpatterns.brokers.nats.broker.NatsJetStreamBroker`, confirmed.
+"""The acks of the NATS adapters (:class:`~msgpatterns.brokers.nats.broker.NatsJetStreamBroker`
+and :class:`~msgpatterns.brokers.nats.aio.AsyncNatsJetStreamBroker`), confirmed.
 
 An ack (or a NAK) is a plain publish the client writes and forgets: one written as the
 connection died is lost with it. Each is kept in an :class:`~._acks.AckLedger` until an
 echo queued behind it comes back on the same connection, and sent again after a
 reconnect. On ``close()`` every delivery handed out and never settled is NAKed (back to
-the group at once, not after ``ack_wait``). A part of the adapter, run on its I/O loop:
-its state is the adapter's."""
+the group at once, not after ``ack_wait``). A part of the adapter, run on the loop of
+its client (the sync adapter's I/O loop, the caller's loop for the asyncio one): its
+state is the adapter's."""
 
 from __future__ import annotations
 

@@ -25,8 +25,15 @@ Guarantees:
 * After :meth:`close` every operation raises :class:`~msgpatterns.errors.BrokerClosed`
   and the adapter never reconnects; queued acks are flushed to the server first.
 
+* A fetch hands out at most ``max_messages`` deliveries (nats-py's pull fetch can
+  return more: every late answer its subscription holds); the rest go first to the
+  next fetch, or back to the group on :meth:`close`.
+
 nats-py is asyncio-only: the adapter runs one event loop on a private I/O thread and
-every call waits for its result there.
+every call waits for its result there. The I/O itself is the JetStream session
+(:mod:`msgpatterns.brokers.nats._session`) that the asyncio adapter,
+:class:`~msgpatterns.brokers.nats.aio.AsyncNatsJetStreamBroker`, runs on the caller's
+loop.
 """
 
 from __future__ import annotations
