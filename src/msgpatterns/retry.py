@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import tenacity
 from tenacity.wait import wait_base
 
+from msgpatterns import headers as h
 from msgpatterns.errors import (
     MAX_DURATION,
     ConfigurationError,
@@ -247,8 +248,25 @@ class RetryPolicy:
     * ``Reject`` and the ``fatal`` exception types go straight to the dead-letter store.
     * Any other exception is redelivered after ``backoff.delay(attempt)``.
     * Delivery number ``max_attempts`` that fails becomes a dead letter.
+    * ``max_delay`` (seconds or timedelta; None: no bound of the policy's own) caps
+      every redelivery delay, ``NeedRetry(delay)`` included.
 
     The attempt number comes from the message (durable), never from this object.
+
+    The policy also bounds what a consumer trusts of the library's headers on the wire
+    (:meth:`wire_bounds`; anyone who can publish can set them):
+
+    * an ``x-msgpatterns-attempt`` above ``2 * max_attempts`` is not this policy's
+      count (the runtime writes at most ``max_attempts``; the margin covers a message
+      handed back with broker redeliveries counted in, or re-sent while the dead-letter
+      queue failed): it is ignored and the attempts restart at 1, plus the broker's own
+      delivery count (Redis XPENDING, NATS ``num_delivered``, RabbitMQ
+      ``x-delivery-count``), which is never bounded. So a forged count cannot skip the
+      retries this policy grants; a count of at most ``2 * max_attempts`` cannot be
+      told from a real one and is taken as it is.
+    * an ``x-msgpatterns-retry-due-at`` further out than ``max_delay`` (7 days when
+      None) plus :data:`~msgpatterns.headers.CLOCK_SKEW` (60 s) is taken as due now:
+      no header hides a message longer than this policy's longest delay.
     """
 
     max_attempts: int = 16
@@ -258,6 +276,7 @@ class RetryPolicy:
     local_backoff: Backoff = field(
         default_factory=lambda: Backoff.exponential(initial=0.01, factor=2.0, max=1.0)
     )
+    max_delay: float | timedelta | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_attempts", "local_retries"):
@@ -282,6 +301,22 @@ class RetryPolicy:
                 f"RetryPolicy fatal must be a tuple of exception types, got {self.fatal!r}"
             )
         object.__setattr__(self, "fatal", fatal)
+        object.__setattr__(self, "max_delay", seconds(self.max_delay))
+
+    @property
+    def longest_delay(self) -> float:
+        """The longest redelivery delay this policy writes on the wire, in seconds:
+        ``max_delay``, or the library's wire limit (7 days) when it is None."""
+        limit = seconds(self.max_delay)
+        return h.MAX_RETRY_DELAY if limit is None else limit
+
+    def wire_bounds(self) -> h.WireBounds:
+        """What a consumer with this policy trusts of the library's headers on an
+        incoming message (see the class docstring): attempts up to ``2 *
+        max_attempts`` (at most the library's limit), due times up to
+        :attr:`longest_delay` (plus clock skew) ahead."""
+        return h.WireBounds(max_attempt=min(2 * self.max_attempts, h.MAX_ATTEMPT),
+                            max_delay=min(self.longest_delay, h.MAX_RETRY_DELAY))
 
     def decide(self, message: Message, error: BaseException | None) -> Verdict:
         """The action for ``message`` whose current attempt ended with ``error``."""
@@ -304,6 +339,8 @@ class RetryPolicy:
                 reason=f"gave up after {message.attempt} attempts: "
                 f"{type(error).__name__}: {describe(error)}",
             )
-        if retry is not None and retry.delay is not None:
-            return Verdict(Action.REDELIVER, retry.delay)
-        return Verdict(Action.REDELIVER, self.backoff.delay(message.attempt))
+        delay = retry.delay if retry is not None and retry.delay is not None else (
+            self.backoff.delay(message.attempt))
+        if self.max_delay is not None:
+            delay = min(delay, self.longest_delay)
+        return Verdict(Action.REDELIVER, delay)

@@ -294,3 +294,64 @@ def test_a_delayed_redis_retry_survives_the_app_stopping(redis_url: str, unique:
     finally:
         client.delete(stream, f"{stream}:fs-delayed", f"{stream}:fs-delayed:data")
         client.close()
+
+
+@pytest.mark.nats
+@pytest.mark.timeout(120)
+def test_nats_forged_attempt_and_due_times_are_bounded_by_the_policy(unique: str) -> None:
+    """The integration reads the library's headers through the adapters' functions
+    (``headers.trusted_attempt``, ``honoured_due_at``; tests/test_wire_bounds.py): a
+    forged ``attempt: 9000`` gets its retries, a due time six days out or ``inf`` is due
+    now (``inf`` made ``nak(delay=inf)`` raise ``OverflowError`` before)."""
+    import nats
+    from faststream.nats import JStream, NatsBroker, PullSub
+
+    from msgpatterns import headers as h
+    from msgpatterns.brokers import NatsJetStreamBroker
+    from msgpatterns.testing import services
+
+    url = services.require("nats")
+    subject = f"fs_bounds_{unique}"
+    stream = JStream(NatsJetStreamBroker.stream_name(subject),
+                     subjects=[subject, NatsJetStreamBroker.dead_letter_subject(subject)])
+    policy = RetryPolicy(max_attempts=5, backoff=Backoff.fixed(0.05), local_retries=0,
+                         max_delay=60)
+    seen: dict[bytes, list[int]] = {}
+
+    async def handle(body: bytes, delivery: Delivery) -> None:
+        attempts = seen.setdefault(bytes(delivery.raw_body), [])
+        attempts.append(delivery.attempt)
+        if len(attempts) == 1:
+            raise ConnectionError("transient")
+
+    broker = NatsBroker(url, middlewares=[MsgpatternsMiddleware(policy)])
+    broker.subscriber(subject, stream=stream, durable=f"g_{unique}",
+                      pull_sub=PullSub(batch_size=1, timeout=0.2))(handle)
+    items = [(b"attempt-9000", {h.ATTEMPT: "9000"}),
+             (b"due-6d", {h.RETRY_DUE_AT: repr(time.time() + 6 * 86_400)}),
+             (b"due-inf", {h.RETRY_DUE_AT: "inf"})]
+
+    async def scenario() -> None:
+        async with broker:
+            await broker.start()
+            nc = await nats.connect(url)  # a plain nats-py publisher
+            try:
+                for body, headers in items:
+                    await nc.jetstream().publish(subject, body, headers=headers)
+            finally:
+                await nc.close()
+            await until(lambda: all(len(seen.get(body, [])) >= 2 for body, _ in items))
+
+    try:
+        asyncio.run(scenario())
+        assert seen[b"attempt-9000"] == [1, 2]
+        assert all(len(seen[body]) == 2 for body, _ in items), seen
+    finally:
+        async def drop() -> None:
+            nc = await nats.connect(url)
+            try:
+                await nc.jetstream().delete_stream(stream.name)
+            finally:
+                await nc.close()
+
+        asyncio.run(drop())

@@ -18,7 +18,7 @@ from spark_streams import EVENT_SCHEMA, AppendRows, FileStream, appended, event
 
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.spark import AppendResult, append_rows
-from msgpatterns.spark.append import _Append
+from msgpatterns.spark.append import _Append, partition_ledger_table
 from msgpatterns.spark.resources import SqlSpec
 
 if TYPE_CHECKING:
@@ -77,13 +77,31 @@ def test_a_reattempted_task_writes_its_partition_once(
     spark: SparkSession, db_url: str, engine: sa.Engine, events: sa.Table, unique: str,
 ) -> None:
     df = events_frame(spark, 40)
-    write = _Append(SqlSpec.of(db_url), events.name, None, f"parts_{unique}", "events", "q1", 7)
+    write = _Append(SqlSpec.of(db_url), events.name, None, f"parts_{unique}", "events", "q1", 7,
+                    "call-1")
     append_rows(df.limit(0), db_url, events.name, sink_id="events", batch_id=0,
                 query_id="q1", ledger_table=f"parts_{unique}")  # creates the ledger table
     states = df.mapInArrow(FailFirstAttemptAfterWrite(write),
                            "p int, n long, s tinyint").collect()
-    assert sorted(s[2] for s in states) == [2, 2]  # both partitions: the re-attempt skipped
+    # both partitions: the re-attempt wrote nothing, and counts what its first attempt
+    # (the same call) committed, so the call's result is exact
+    assert sorted(s[2] for s in states) == [1, 1]
+    assert sum(s[1] for s in states) == 40
     assert appended(engine, events) == expected(40)
+    _drop(engine, f"parts_{unique}")
+
+
+def test_a_ledger_table_from_before_call_ids_gets_the_column(
+    spark: SparkSession, db_url: str, engine: sa.Engine, events: sa.Table, unique: str,
+) -> None:
+    partition_ledger_table(f"parts_{unique}").create(engine)
+    with engine.begin() as conn:  # the table as it was made before call ids
+        conn.execute(sa.text(f"ALTER TABLE parts_{unique} DROP COLUMN call_id"))
+    df = events_frame(spark, 10)
+    options: dict[str, Any] = {"sink_id": "events", "batch_id": 1, "query_id": "q1",
+                               "ledger_table": f"parts_{unique}"}
+    assert append_rows(df, db_url, events.name, **options) == AppendResult(10, 2, 0)
+    assert append_rows(df, db_url, events.name, **options) == AppendResult(0, 0, 2)
     _drop(engine, f"parts_{unique}")
 
 

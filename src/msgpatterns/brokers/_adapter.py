@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, Self
 
 from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.errors import BrokerClosed, ConfigurationError
+from msgpatterns.headers import WIRE_LIMITS, WireBounds
 from msgpatterns.message import Message
 
 if TYPE_CHECKING:
     from msgpatterns.brokers.admin.base import DeadLetterAdmin
 
-__all__ = ["BrokerAdapter", "Closable", "admin_for", "topic_list"]
+__all__ = ["BrokerAdapter", "Closable", "WireTrust", "admin_for", "topic_list"]
 
 
 def topic_list(topics: str | Sequence[str]) -> list[str]:
@@ -69,7 +70,35 @@ class Closable(ABC):
             raise BrokerClosed(f"{self!r} is closed")
 
 
-class BrokerAdapter(Closable):
+class WireTrust:
+    """How far each consumer group trusts the library's headers on incoming messages
+    (:class:`~msgpatterns.headers.WireBounds`), shared by the sync and async adapters.
+
+    A consumer tells its adapter its policy's bounds when it is built
+    (:meth:`bound_wire`, the optional
+    :class:`~msgpatterns.brokers.base.SupportsWireBounds`); the adapter reads attempt
+    counts and due times of that group's deliveries through them
+    (:func:`msgpatterns.brokers.codec.attempt_of`,
+    :func:`msgpatterns.headers.honoured_due_at`). A group no consumer announced gets
+    the library's limits. Two consumers of one group: the looser bound of the two (what
+    either writes is trusted). Readers never lock: the table is replaced, never
+    changed."""
+
+    _wire_bounds: Mapping[str, WireBounds] = {}
+
+    def bound_wire(self, group: str, bounds: WireBounds) -> None:
+        """Trust ``group``'s incoming library headers as far as ``bounds``."""
+        table = dict(self._wire_bounds)
+        known = table.get(group)
+        table[group] = bounds if known is None else known.widest(bounds)
+        self._wire_bounds = table
+
+    def wire_bounds(self, group: str) -> WireBounds:
+        """The bounds of ``group`` (the library's limits when none was given)."""
+        return self._wire_bounds.get(group, WIRE_LIMITS)
+
+
+class BrokerAdapter(WireTrust, Closable):
     """Base class of the sync adapters (see the module docstring)."""
 
     def now(self) -> float:

@@ -15,7 +15,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
-from msgpatterns.brokers._adapter import Closable, topic_list
+from msgpatterns.brokers._adapter import Closable, WireTrust, topic_list
 from msgpatterns.deadletter import body_bytes
 from msgpatterns.message import Message
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncBrokerAdapter"]
 
 
-class AsyncBrokerAdapter(Closable):
+class AsyncBrokerAdapter(WireTrust, Closable):
     """Base class of the async adapters (see the module docstring)."""
 
     def now(self) -> float:

@@ -25,9 +25,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.headers import WireBounds
 from msgpatterns.message import Message
 
-__all__ = ["Broker", "SupportsAckMany", "SupportsVirtualTime"]
+__all__ = ["Broker", "SupportsAckMany", "SupportsVirtualTime", "SupportsWireBounds"]
 
 
 @runtime_checkable
@@ -89,3 +90,15 @@ class SupportsVirtualTime(Protocol):
     def advance_to(self, when: float) -> None:
         """Move the clock forward to ``when`` (never backwards)."""
         ...
+
+
+@runtime_checkable
+class SupportsWireBounds(Protocol):
+    """A broker that bounds the library's headers on incoming messages by each
+    consumer's own policy (every adapter of the library; sync and async alike).
+
+    A consumer calls :meth:`bound_wire` once, when it is built, with
+    :meth:`msgpatterns.RetryPolicy.wire_bounds`: attempt headers beyond the bound are
+    ignored and due times beyond it are due now, for that group's deliveries."""
+
+    def bound_wire(self, group: str, bounds: WireBounds) -> None: ...

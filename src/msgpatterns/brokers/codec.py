@@ -171,10 +171,13 @@ def split_transport(raw: Mapping[str, Any] | Iterable[tuple[str, Any]],
     )
 
 
-def attempt_of(headers: Mapping[str, str], redeliveries: int = 0) -> int:
-    """The durable attempt number: the library's attempt header plus the broker's count
-    of redeliveries of this copy (deliveries that ended without a settlement)."""
-    return max(1, h.header_int(headers, h.ATTEMPT, 1)) + max(0, redeliveries)
+def attempt_of(headers: Mapping[str, str], redeliveries: int = 0,
+               bounds: h.WireBounds = h.WIRE_LIMITS) -> int:
+    """The durable attempt number: the library's attempt header, as far as the
+    consumer's ``bounds`` trust it (:func:`msgpatterns.headers.trusted_attempt`), plus
+    the broker's count of redeliveries of this copy (deliveries that ended without a
+    settlement; the broker's own count, so never bounded)."""
+    return h.trusted_attempt(headers, bounds) + max(0, redeliveries)
 
 
 def wire_headers(

@@ -16,8 +16,9 @@ from typing import Any
 
 from msgpatterns.brokers._aio_adapter import AsyncBrokerAdapter
 from msgpatterns.brokers.admin.base import DeadLetterAdmin
-from msgpatterns.brokers.base import Broker
+from msgpatterns.brokers.base import Broker, SupportsWireBounds
 from msgpatterns.deadletter import DeadLetter
+from msgpatterns.headers import WireBounds
 from msgpatterns.message import Message
 
 __all__ = ["ThreadedAsyncBroker"]
@@ -41,6 +42,12 @@ class ThreadedAsyncBroker(AsyncBrokerAdapter):
     @property
     def closed(self) -> bool:
         return bool(getattr(self.sync, "closed", False))
+
+    def bound_wire(self, group: str, bounds: WireBounds) -> None:
+        """Tell the sync broker too (it reads the deliveries)."""
+        super().bound_wire(group, bounds)
+        if isinstance(self.sync, SupportsWireBounds):
+            self.sync.bound_wire(group, bounds)
 
     def dead_letter_admin(self) -> DeadLetterAdmin:
         """The sync broker's own admin (see :attr:`sync`)."""

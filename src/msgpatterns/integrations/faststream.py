@@ -74,6 +74,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Protocol
 
+from msgpatterns import headers as h
 from msgpatterns._escape import escape_control
 from msgpatterns._extras import require
 from msgpatterns.brokers import codec
@@ -121,9 +122,9 @@ class _Route(Protocol):
 
     def start(self) -> None: ...
 
-    async def park(self, msg: Any) -> bool: ...
+    async def park(self, msg: Any, bounds: h.WireBounds) -> bool: ...
 
-    def message(self, msg: Any) -> Message: ...
+    def message(self, msg: Any, bounds: h.WireBounds) -> Message: ...
 
     async def retry(self, msg: Any, message: Message, decision: RetryLater) -> None: ...
 
@@ -146,10 +147,10 @@ class _RabbitRoute:
     def start(self) -> None:
         pass
 
-    async def park(self, msg: Any) -> bool:
+    async def park(self, msg: Any, bounds: h.WireBounds) -> bool:
         return False
 
-    def message(self, msg: Any) -> Message:
+    def message(self, msg: Any, bounds: h.WireBounds) -> Message:
         raw = msg.raw_message
         table = getattr(raw, "headers", None) or {}
         count = table.get("x-delivery-count")
@@ -161,7 +162,7 @@ class _RabbitRoute:
             stamp.timestamp() if stamp is not None else None)
         return Message(msg.body, id=t.id or getattr(raw, "message_id", None) or None,
                        key=t.key, topic=self.queue, headers=t.headers, timestamp=timestamp,
-                       attempt=codec.attempt_of(t.headers, redeliveries))
+                       attempt=codec.attempt_of(t.headers, redeliveries, bounds))
 
     async def _declare(self, name: str, arguments: Any) -> None:
         from faststream.rabbit import RabbitQueue
@@ -347,16 +348,16 @@ class _RedisStreamRoute:
     def start(self) -> None:
         _redis_delays(self.broker).watch(self.kind, self.stream)
 
-    async def park(self, msg: Any) -> bool:
+    async def park(self, msg: Any, bounds: h.WireBounds) -> bool:
         return False
 
-    def message(self, msg: Any) -> Message:
+    def message(self, msg: Any, bounds: h.WireBounds) -> Message:
         t = codec.split_transport(msg.headers or {})
         ids = msg.raw_message.get("message_ids") or []
         entry = f"{self.stream}/{codec.text(ids[0])}" if ids else None
         return Message(msg.body, id=t.id or t.headers.get("message_id") or entry,
                        key=t.key, topic=self.stream, headers=t.headers,
-                       timestamp=t.timestamp, attempt=codec.attempt_of(t.headers))
+                       timestamp=t.timestamp, attempt=codec.attempt_of(t.headers, 0, bounds))
 
     async def retry(self, msg: Any, message: Message, decision: RetryLater) -> None:
         headers = _copy_headers(message, decision.headers)
@@ -381,11 +382,11 @@ class _RedisListRoute(_RedisStreamRoute):
     def __init__(self, broker: Any, name: str) -> None:
         super().__init__(broker, name, "")
 
-    def message(self, msg: Any) -> Message:
+    def message(self, msg: Any, bounds: h.WireBounds) -> Message:
         t = codec.split_transport(msg.headers or {})
         return Message(msg.body, id=t.id or t.headers.get("message_id") or None,
                        key=t.key, topic=self.stream, headers=t.headers,
-                       timestamp=t.timestamp, attempt=codec.attempt_of(t.headers))
+                       timestamp=t.timestamp, attempt=codec.attempt_of(t.headers, 0, bounds))
 
 
 
@@ -397,10 +398,10 @@ class _KafkaRoute:
     def start(self) -> None:
         pass
 
-    async def park(self, msg: Any) -> bool:
+    async def park(self, msg: Any, bounds: h.WireBounds) -> bool:
         return False
 
-    def message(self, msg: Any) -> Message:
+    def message(self, msg: Any, bounds: h.WireBounds) -> Message:
         raw = msg.raw_message
         t = codec.split_transport(msg.headers or {})
         key = t.key
@@ -412,7 +413,7 @@ class _KafkaRoute:
                        key=key, topic=raw.topic, headers=t.headers,
                        timestamp=t.timestamp if t.timestamp is not None else (
                            raw.timestamp / 1000 if raw.timestamp else None),
-                       attempt=codec.attempt_of(t.headers), partition=raw.partition,
+                       attempt=codec.attempt_of(t.headers, 0, bounds), partition=raw.partition,
                        offset=raw.offset)
 
     async def retry(self, msg: Any, message: Message, decision: RetryLater) -> None:
@@ -453,16 +454,17 @@ class _NatsRoute:
         parked = 1 if t.headers.pop(codec.PARKED, None) else 0
         return t, parked
 
-    async def park(self, msg: Any) -> bool:
+    async def park(self, msg: Any, bounds: h.WireBounds) -> bool:
         """NAK a copy that is not due yet with the time it still has to wait."""
         t, _ = self._transport(msg)
-        left = (t.due_at - time.time()) if t.due_at is not None else 0.0
-        if left <= 0:
+        now = time.time()
+        due_at = h.honoured_due_at(t.due_at, now, bounds)  # beyond the policy: due now
+        if due_at is None:
             return False
-        await msg.nack(delay=left)
+        await msg.nack(delay=due_at - now)
         return True
 
-    def message(self, msg: Any) -> Message:
+    def message(self, msg: Any, bounds: h.WireBounds) -> Message:
         raw = msg.raw_message
         meta = raw.metadata
         t, parked = self._transport(msg)
@@ -473,7 +475,7 @@ class _NatsRoute:
                        key=t.key, topic=raw.subject, headers=t.headers,
                        timestamp=t.timestamp if t.timestamp is not None else (
                            meta.timestamp.timestamp() if meta.timestamp else None),
-                       attempt=codec.attempt_of(t.headers, redeliveries))
+                       attempt=codec.attempt_of(t.headers, redeliveries, bounds))
 
     async def retry(self, msg: Any, message: Message, decision: RetryLater) -> None:
         due = time.time() + decision.delay if decision.delay > 0 else None
@@ -555,6 +557,8 @@ class MsgpatternsMiddleware:
                  dead_letters: DeadLetterStore | None = None, group: str = "") -> None:
         self.policy, self.dead_letters = checked_policy_and_store(policy, dead_letters)
         self.group = group
+        #: How far the library's headers on a delivery are trusted (the policy's).
+        self.bounds = self.policy.wire_bounds()
 
     def __call__(self, msg: Any, /, *, context: Any) -> BaseMiddleware:
         return _SettlingMiddleware(msg, context=context, config=self)
@@ -591,9 +595,10 @@ class _SettlingMiddleware(BaseMiddleware):
                             msg: Any) -> Any:
         route = _route(msg, self.context)
         route.start()
-        if await route.park(msg):  # a retry copy fetched before it is due
+        bounds = self.config.bounds
+        if await route.park(msg, bounds):  # a retry copy fetched before it is due
             return None
-        message = route.message(msg)
+        message = route.message(msg, bounds)
         group = self.config.group or route.group
         with self.context.scope(CONTEXT_KEY, message):
             decision = await self._run(call_next, msg, message, group)

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.errors import ConfigurationError
+from msgpatterns.headers import WireBounds
 from msgpatterns.message import Message
 from msgpatterns.ordering.routes import Route, closed_by, predecessors
 
@@ -209,6 +210,13 @@ class TopicFeed:
                 del self._held[physical]
 
     # -- Broker protocol ------------------------------------------------------------
+
+    def bound_wire(self, group: str, bounds: WireBounds) -> None:
+        """Pass the consumer's header bounds to the broker underneath (it reads the
+        deliveries: :class:`~msgpatterns.brokers.base.SupportsWireBounds`)."""
+        inner = getattr(self._inner, "bound_wire", None)
+        if inner is not None:
+            inner(group, bounds)
 
     def fetch(self, topics: Sequence[str], group: str, max_messages: int = 1,
               timeout: float = 0.0) -> list[Message]:

@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from msgpatterns._escape import escape_control
-from msgpatterns.brokers.base import SupportsVirtualTime
+from msgpatterns.brokers.base import SupportsVirtualTime, SupportsWireBounds
 from msgpatterns.deadletter import DeadLetterStore
 from msgpatterns.errors import AckTimeout, ClosedError, ConfigurationError
 from msgpatterns.message import Message, SettleCallback
@@ -97,6 +97,8 @@ class DriverBase:
         self.stats = ConsumerStats()
         self._reporter = Reporter(self)
         self._log = log
+        if isinstance(broker, SupportsWireBounds):  # the library's headers: as far as
+            broker.bound_wire(group, self.retry.wire_bounds())  # this policy writes them
         self._settler = Settler(
             policy=self.retry, now=broker.now, group=group, name=self.name,
             handler_name=self.handler_name, own_store=dead_letters is not None,

@@ -12,6 +12,7 @@ is still open) and writes nothing. Rows and ledger row commit together or not at
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,27 @@ def partition_ledger_table(name: str, metadata: sa.MetaData | None = None) -> sa
         sa.Column("partition_id", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("row_count", sa.BigInteger, nullable=False),
         sa.Column("recorded_at", sa.BigInteger, nullable=False),  # epoch milliseconds
+        # the append_rows call that wrote the row: a re-attempt of the same call (its
+        # first attempt committed, then its result was lost with the executor) counts
+        # the partition as written by this call, not as skipped
+        sa.Column("call_id", sa.String(32), nullable=True),
     )
+
+
+def _add_call_id(engine: sa.Engine, ledger: sa.Table) -> None:
+    """Give a ledger table made before ``call_id`` existed its column."""
+    columns = {c["name"] for c in sa.inspect(engine).get_columns(ledger.name)}
+    if "call_id" in columns:
+        return
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(
+                f"ALTER TABLE {engine.dialect.identifier_preparer.format_table(ledger)} "
+                "ADD COLUMN call_id VARCHAR(32)"))
+    except sa.exc.DBAPIError:
+        columns = {c["name"] for c in sa.inspect(engine).get_columns(ledger.name)}
+        if "call_id" not in columns:
+            raise  # not a race with another driver adding it
 
 
 @dataclass(frozen=True)
@@ -64,10 +85,12 @@ class AppendResult:
     """What one :func:`append_rows` call did.
 
     Attributes:
-        rows: rows inserted by this call.
+        rows: rows inserted by this call (exact: a partition whose first task attempt
+            committed and whose result was then lost with its executor counts once, with
+            its rows, when the re-attempt finds its ledger row).
         partitions: non-empty partitions written by this call.
-        skipped: non-empty partitions found in the ledger (written before: a replayed
-            batch); their rows were not inserted again.
+        skipped: non-empty partitions found in the ledger, written by an earlier call
+            (a replayed batch); their rows were not inserted again.
     """
 
     rows: int
@@ -87,6 +110,7 @@ class _Append:
     sink_id: str
     query_id: str
     batch_id: int
+    call_id: str
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
@@ -113,12 +137,16 @@ class _Append:
         keys = [ledger.c.sink_id, ledger.c.query_id, ledger.c.batch_id, ledger.c.partition_id]
         row = {"sink_id": self.sink_id, "query_id": self.query_id, "batch_id": self.batch_id,
                "partition_id": partition, "row_count": 0,
-               "recorded_at": int(time.time() * 1000)}
+               "recorded_at": int(time.time() * 1000), "call_id": self.call_id}
         rows = 0
         with self.sql.engine().begin() as conn:
             # the ledger row first: another attempt of this partition waits on its key,
             # then finds it and writes nothing
             if not _sql.insert_if_absent(conn, ledger, keys, row):
+                found = conn.execute(sa.select(ledger.c.call_id, ledger.c.row_count)
+                                     .where(*(c == row[c.key] for c in keys))).first()
+                if found is not None and found.call_id == self.call_id:
+                    return int(found.row_count), _WRITTEN  # this call's earlier attempt
                 return 0, _SKIPPED
             insert = target.insert()
             batch: pa.RecordBatch | None = first
@@ -197,9 +225,10 @@ def append_rows(
         )
     ledger = partition_ledger_table(ledger_table)
     engine = sql.engine()
-    _sql.create_table(engine, ledger)
+    if not _sql.create_table(engine, ledger):
+        _add_call_id(engine, ledger)
     append = _Append(sql, table, schema, ledger_table, check_sink_id(sink_id), query_id,
-                     batch_id)
+                     batch_id, uuid.uuid4().hex)
     out = f"{_PARTITION} int, {_ROWS} long, {_STATE} tinyint"
     # one row per partition, summed here: no aggregation stage (and shuffle) after it
     outcomes = df.mapInArrow(append, out).collect()

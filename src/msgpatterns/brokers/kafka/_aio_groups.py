@@ -25,6 +25,7 @@ from msgpatterns.brokers.kafka._records import (
     malformed_letter,
 )
 from msgpatterns.errors import BrokerError, BrokerUnavailable
+from msgpatterns.headers import WireBounds
 from msgpatterns.message import Message
 
 aiokafka = require("aiokafka", "kafka")
@@ -94,6 +95,7 @@ class AsyncGroupConsumers:
     _commits: dict[str, asyncio.Task[None]]
 
     if TYPE_CHECKING:  # the adapter's own, elsewhere
+        def wire_bounds(self, group: str) -> WireBounds: ...
         def retry_topic(self, topic: str) -> str: ...
         def dead_letter_topic(self, topic: str) -> str: ...
         async def _started(self, client: Any, what: str) -> Any: ...
@@ -157,7 +159,7 @@ class AsyncGroupConsumers:
         tracker = state.tracker(where)
         view = view_of(record)
         verdict = judge(view, state.retry_topics, group, now,
-                        limit=self.max_message_bytes)
+                        limit=self.max_message_bytes, bounds=self.wire_bounds(group))
         if verdict.action == "reject":
             assert verdict.problem is not None
             letter, unreadable = malformed_letter(view, verdict.topic, group,

@@ -27,6 +27,7 @@ from msgpatterns.brokers.kafka._records import (
     malformed_letter,
 )
 from msgpatterns.errors import BrokerError, BrokerUnavailable, ConfigurationError
+from msgpatterns.headers import WireBounds
 from msgpatterns.message import Message
 
 __all__ = ["GroupConsumers"]
@@ -48,6 +49,7 @@ class GroupConsumers:
     _producer: Any
 
     if TYPE_CHECKING:  # the adapter's own, elsewhere
+        def wire_bounds(self, group: str) -> WireBounds: ...
         def now(self) -> float: ...
         def retry_topic(self, topic: str) -> str: ...
         def dead_letter_topic(self, topic: str) -> str: ...
@@ -189,7 +191,7 @@ class GroupConsumers:
             tracker = state.tracker(where)
         view = view_of(record)
         verdict = judge(view, state.retry_topics, group, now,
-                        limit=self.max_message_bytes)
+                        limit=self.max_message_bytes, bounds=self.wire_bounds(group))
         if verdict.action == "reject":
             assert verdict.problem is not None
             self._reject_malformed(group, view, verdict.topic, tracker, verdict.problem, now,

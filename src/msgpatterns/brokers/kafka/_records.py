@@ -252,9 +252,11 @@ def malformed(value: bytes | None, headers: Iterable[tuple[str, Any]]) -> str | 
     return None
 
 
-def record_message(record: RecordView, topic: str, t: codec.Transport) -> Message:
+def record_message(record: RecordView, topic: str, t: codec.Transport,
+                   bounds: h.WireBounds = h.WIRE_LIMITS) -> Message:
     """The message for a well-formed ``record`` of ``topic`` (its transport headers
-    ``t`` already split off): the publisher's id, or the record's position."""
+    ``t`` already split off): the publisher's id, or the record's position; its
+    attempt header as far as the consumer's ``bounds`` trust it."""
     stamp = record.timestamp_ms
     return Message(
         record.value or b"",
@@ -263,7 +265,7 @@ def record_message(record: RecordView, topic: str, t: codec.Transport) -> Messag
         topic=topic,
         headers=t.headers,
         timestamp=t.timestamp or (stamp / 1000 if stamp is not None and stamp > 0 else None),
-        attempt=codec.attempt_of(t.headers),
+        attempt=codec.attempt_of(t.headers, 0, bounds),
         partition=record.partition,
         offset=record.offset,
     )
@@ -317,10 +319,13 @@ class Verdict:
 
 
 def judge(record: RecordView, retry_topics: Mapping[str, str], group: str,
-          now: float, *, limit: int | None) -> Verdict:
+          now: float, *, limit: int | None,
+          bounds: h.WireBounds = h.WIRE_LIMITS) -> Verdict:
     """The :class:`Verdict` on ``record`` for ``group`` at ``now``; ``retry_topics``
     maps each retry topic read to its topic; ``limit``: the adapter's
-    ``max_message_bytes`` (a larger record, value plus headers plus key, is rejected)."""
+    ``max_message_bytes`` (a larger record, value plus headers plus key, is rejected);
+    ``bounds``: the group's policy bounds (an attempt header beyond them is ignored, a
+    due time beyond them is due now: :mod:`msgpatterns.headers`)."""
     topic = retry_topics.get(record.read_topic, record.read_topic)
     oversize = oversize_reason(record.value, record.headers, record.key, limit=limit)
     if oversize is not None:
@@ -333,6 +338,7 @@ def judge(record: RecordView, retry_topics: Mapping[str, str], group: str,
     if record.read_topic in retry_topics:
         if t.group is not None and t.group != group:
             return Verdict("skip", topic)
-        if t.due_at is not None and t.due_at > now:
-            return Verdict("wait", topic, due_at=t.due_at)
-    return Verdict("deliver", topic, message=record_message(record, topic, t))
+        due_at = h.honoured_due_at(t.due_at, now, bounds)
+        if due_at is not None:
+            return Verdict("wait", topic, due_at=due_at)
+    return Verdict("deliver", topic, message=record_message(record, topic, t, bounds))

@@ -48,7 +48,7 @@ from typing import Any
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._escape import escape_control
 from msgpatterns.brokers import codec
-from msgpatterns.brokers._adapter import admin_for
+from msgpatterns.brokers._adapter import WireTrust, admin_for
 from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers.admin.base import DeadLetterAdmin
 from msgpatterns.brokers.kafka._aio_groups import (
@@ -85,7 +85,7 @@ _OWNER = "an AIOKafkaBroker"
 #: Longest single wait inside a fetch: how soon a fetch notices close().
 _FETCH_SLICE = 0.1
 
-class AIOKafkaBroker(AsyncGroupConsumers):
+class AIOKafkaBroker(WireTrust, AsyncGroupConsumers):
     """The :class:`~msgpatterns.aio.base.AsyncBroker` protocol on Kafka (aiokafka).
 
     Args:

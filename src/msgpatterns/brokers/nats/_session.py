@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from msgpatterns.errors import (
     ConfigurationError,
     printable,
 )
+from msgpatterns.headers import WireBounds
 from msgpatterns.message import Message
 
 nats = require("nats", "nats")
@@ -92,6 +93,8 @@ class JetStreamSession(ConfirmedAcks):
     _js: Any
     _streams: set[str]
     _subscribing: asyncio.Lock
+    #: the group's wire bounds, given by the adapter's base (``WireTrust``)
+    wire_bounds: Callable[[str], WireBounds]
 
     def _start_session(self) -> None:
         """The session's state, before any connection (set by the adapter's
@@ -343,7 +346,8 @@ class JetStreamSession(ConfirmedAcks):
         verdict = wire.judge(
             msg.data, msg.headers, topic=topic, stream=meta.stream, sequence=stream_seq,
             deliveries=meta.num_delivered, now=time.time(), limit=self.max_message_bytes,
-            published=meta.timestamp.timestamp() if meta.timestamp is not None else None)
+            published=meta.timestamp.timestamp() if meta.timestamp is not None else None,
+            bounds=self.wire_bounds(group))
         if verdict.problem is not None:  # dead-lettered: this one only
             await self._bury_malformed(msg, topic, group, f"{meta.stream}:{stream_seq}",
                                        verdict.problem, too_large=verdict.too_large)

@@ -85,12 +85,14 @@ class Verdict:
 
 def judge(data: bytes, headers: Mapping[str, str] | None, *, topic: str, stream: str,
           sequence: int, deliveries: int, published: float | None, now: float,
-          limit: int | None) -> Verdict:
+          limit: int | None, bounds: h.WireBounds = h.WIRE_LIMITS) -> Verdict:
     """The verdict on one delivery of ``topic``: its ``data`` and ``headers``, its
     ``sequence`` in ``stream``, the server's count of its ``deliveries`` and its
     ``published`` time. Refused (dead-lettered): a delivery over ``limit`` bytes, or
     whose library headers are forged or corrupt (this one only). A retry parked until
-    a due time counts no attempt for its parking."""
+    a due time counts no attempt for its parking. ``bounds``: the consumer group's
+    policy bounds - an attempt header beyond them is ignored, a due time beyond them
+    is due now (:mod:`msgpatterns.headers`); the server's delivery count is kept."""
     oversize = oversize_reason(data, headers, limit=limit)
     if oversize is not None:  # over max_message_bytes: this one only
         return Verdict(problem=oversize, too_large=True)
@@ -99,10 +101,9 @@ def judge(data: bytes, headers: Mapping[str, str] | None, *, topic: str, stream:
         return Verdict(problem=problem)
     t = codec.split_transport(headers or {}, drop=DROP)
     parked = 1 if t.headers.pop(PARKED, None) else 0
-    if t.due_at is not None:
-        left = t.due_at - now
-        if left > 0:
-            return Verdict(wait=left)
+    due_at = h.honoured_due_at(t.due_at, now, bounds)
+    if due_at is not None:
+        return Verdict(wait=due_at - now)
     redeliveries = max(0, deliveries - 1 - parked)
     return Verdict(message=Message(
         data,
@@ -111,7 +112,7 @@ def judge(data: bytes, headers: Mapping[str, str] | None, *, topic: str, stream:
         topic=topic,
         headers=t.headers,
         timestamp=t.timestamp if t.timestamp is not None else published,
-        attempt=codec.attempt_of(t.headers, redeliveries),
+        attempt=codec.attempt_of(t.headers, redeliveries, bounds),
         offset=sequence,
     ))
 

@@ -109,15 +109,17 @@ def delivery_count(value: Any, redelivered: bool) -> int:
     return value
 
 
-def attempt_from(headers: Mapping[str, str], redeliveries: int) -> int:
+def attempt_from(headers: Mapping[str, str], redeliveries: int,
+                 bounds: h.WireBounds = h.WIRE_LIMITS) -> int:
     """The durable attempt number; library headers that are out of range (an attempt
     that is not an integer in range, a time that is not a finite number) are refused:
     the message is dead-lettered with the reason (see
-    :func:`msgpatterns.headers.header_problem`)."""
+    :func:`msgpatterns.headers.header_problem`). An attempt header beyond the
+    consumer's ``bounds`` is ignored; the server's ``redeliveries`` always count."""
     problem = h.header_problem(headers)
     if problem is not None:
         raise MalformedMessage(problem)
-    return codec.attempt_of(headers, redeliveries)
+    return codec.attempt_of(headers, redeliveries, bounds)
 
 
 def take_round_robin(buffers: Mapping[str, deque[Message]], queues: Sequence[str],
@@ -194,8 +196,10 @@ def dead_letter_wire(record: DeadLetter) -> tuple[bytes, dict[str, Any]]:
     return codec.dead_letter_body(record), message_properties(record.message.id, wire)
 
 
-def message_of(topic: str, method: Any, properties: Any, body: bytes) -> Message:
-    """The Message of a delivery; raises MalformedMessage naming a bad header.
+def message_of(topic: str, method: Any, properties: Any, body: bytes,
+               bounds: h.WireBounds = h.WIRE_LIMITS) -> Message:
+    """The Message of a delivery; raises MalformedMessage naming a bad header;
+    ``bounds``: the consumer group's policy bounds on the library's headers.
 
     A delivery with no headers but the server's (most of them) skips the transport
     split: it carries no library header to read or check. Same result as
@@ -207,7 +211,7 @@ def message_of(topic: str, method: Any, properties: Any, body: bytes) -> Message
     elif type(raw) is dict and raw.keys() <= ONLY_BROKER_HEADERS:
         redeliveries = delivery_count(raw.get(DELIVERY_COUNT), bool(method.redelivered))
     else:
-        return message_of_plain(topic, method, properties, body)
+        return message_of_plain(topic, method, properties, body, bounds)
     timestamp = properties.timestamp
     return Message(
         body,
@@ -218,7 +222,8 @@ def message_of(topic: str, method: Any, properties: Any, body: bytes) -> Message
     )
 
 
-def message_of_plain(topic: str, method: Any, properties: Any, body: bytes) -> Message:
+def message_of_plain(topic: str, method: Any, properties: Any, body: bytes,
+                     bounds: h.WireBounds = h.WIRE_LIMITS) -> Message:
     """The Message of a delivery, every header split and checked (the plain twin of
     :func:`message_of`)."""
     raw = properties.headers or {}
@@ -236,6 +241,6 @@ def message_of_plain(topic: str, method: Any, properties: Any, body: bytes) -> M
         topic=topic,
         headers=t.headers,
         timestamp=timestamp,
-        attempt=attempt_from(t.headers, redeliveries),
+        attempt=attempt_from(t.headers, redeliveries, bounds),
     )
 

@@ -83,6 +83,7 @@ from msgpatterns.errors import (
     describe,
     seconds,
 )
+from msgpatterns.headers import WireBounds
 from msgpatterns.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
     check_max_message_bytes,
@@ -121,7 +122,7 @@ def _amqp_message(payload: bytes, fields: dict[str, Any]) -> Any:
     return aio_pika.Message(payload, **fields)
 
 
-def _message(topic: str, incoming: Any) -> Message:
+def _message(topic: str, incoming: Any, bounds: WireBounds) -> Message:
     """The wire core's decoding (:func:`~._wire.message_of`) of an aio-pika delivery;
     raises MalformedMessage naming a bad header."""
     stamp = incoming.timestamp
@@ -129,7 +130,7 @@ def _message(topic: str, incoming: Any) -> Message:
     properties = SimpleNamespace(
         headers=incoming.headers, message_id=incoming.message_id,
         timestamp=int(stamp.timestamp()) if stamp is not None else None)
-    return message_of(topic, method, properties, incoming.body)
+    return message_of(topic, method, properties, incoming.body, bounds)
 
 
 class AsyncRabbitMQBroker(AsyncBrokerAdapter):
@@ -575,7 +576,7 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         try:
             check_message_size(incoming.body, incoming.headers,
                                limit=self.max_message_bytes)
-            message = _message(topic, incoming)
+            message = _message(topic, incoming, self.wire_bounds(group))
         except Exception as exc:
             await self._dead_letter_malformed(receipt, topic, exc)
             return

@@ -520,7 +520,8 @@ class RabbitMQBroker(IoThread, SideChannels, BrokerAdapter):
         receipt = _Receipt(self._generation, method.delivery_tag, queue, group)
         try:
             check_message_size(body, properties.headers, limit=self.max_message_bytes)
-            message = self._message(topic, method, properties, body)
+            message = self._message(topic, method, properties, body,
+                                    self.wire_bounds(group))
         except Exception as exc:
             log.warning("%s: delivery %d of %s is malformed (%s); dead-lettering it",
                         self.name, method.delivery_tag, queue, escape_control(describe(exc)))

@@ -46,6 +46,7 @@ from msgpatterns.brokers.rabbitmq._wire import (
 from msgpatterns.deadletter import DeadLetter
 from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import BrokerError, describe
+from msgpatterns.headers import WIRE_LIMITS, WireBounds
 from msgpatterns.limits import (
     DEFAULT_MAX_MESSAGE_BYTES,
     check_max_message_bytes,
@@ -111,13 +112,16 @@ class PikaLoop(RawLoop):
 
     # -- deliveries -----------------------------------------------------------------
 
-    def message(self, method: Any, properties: Any, body: bytes) -> Message | None:
+    def message(self, method: Any, properties: Any, body: bytes, *,
+                bounds: WireBounds = WIRE_LIMITS) -> Message | None:
         """The Message of a delivery (attempt from the attempt header and
         ``x-delivery-count``), or None when its headers are malformed or it is over
-        ``max_message_bytes``: then it is dead-lettered with the reason."""
+        ``max_message_bytes``: then it is dead-lettered with the reason. ``bounds``
+        (:meth:`RetryPolicy.wire_bounds <msgpatterns.RetryPolicy.wire_bounds>`): an
+        attempt header beyond them is ignored."""
         try:
             check_message_size(body, properties.headers, limit=self.max_message_bytes)
-            message = message_of(self.topic, method, properties, body)
+            message = message_of(self.topic, method, properties, body, bounds)
         except Exception as exc:
             self._bury_malformed(method, properties, body, exc)
             return None
@@ -128,8 +132,10 @@ class PikaLoop(RawLoop):
                  ) -> Callable[[Any, Any, Any, bytes], None]:
         """An ``on_message_callback`` for ``basic_consume`` that runs ``handler`` on
         each delivery and settles it as the policy decides."""
+        bounds = policy.wire_bounds()
+
         def on_message(channel: Any, method: Any, properties: Any, body: bytes) -> None:
-            message = self.message(method, properties, body)
+            message = self.message(method, properties, body, bounds=bounds)
             if message is not None:
                 self.handle(message, handler, policy=policy)
         return on_message

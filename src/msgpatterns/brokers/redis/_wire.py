@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from msgpatterns import headers as h
 from msgpatterns._escape import escape_control
 from msgpatterns.brokers import codec
 from msgpatterns.deadletter import DeadLetter
@@ -292,15 +293,20 @@ class EntryDecoder:
     ``max_message_bytes``) becomes a dead letter handed to ``bury(message, record)``
     (with its raw fields, or its raw ``body`` field when oversized, and the reason) and
     no Message. The sync adapter buries at once; the async one collects them and sends
-    them after its fetch."""
+    them after its fetch. An attempt header beyond the group's ``bounds`` is ignored
+    (XPENDING's delivery count is kept: :func:`msgpatterns.brokers.codec.attempt_of`)."""
 
-    __slots__ = ("bury", "consumer", "max_message_bytes")
+    __slots__ = ("bounds", "bury", "consumer", "max_message_bytes")
 
     def __init__(self, consumer: str, max_message_bytes: int | None,
-                 bury: Callable[[Message, DeadLetter], None]) -> None:
+                 bury: Callable[[Message, DeadLetter], None],
+                 bounds: Callable[[str], h.WireBounds] | None = None) -> None:
         self.consumer = consumer
         self.max_message_bytes = max_message_bytes
         self.bury = bury
+        #: A group's policy bounds on the library's headers (the adapter's
+        #: ``wire_bounds``; None: the library's limits).
+        self.bounds = bounds
 
     def message(self, topic: str, stream: str, retry: bool, group: str, entry_id: Any,
                 raw: Any, deliveries: int) -> Message | None:
@@ -355,7 +361,8 @@ class EntryDecoder:
                 topic=topic,
                 headers=t.headers,
                 timestamp=t.timestamp or timestamp,
-                attempt=codec.attempt_of(t.headers, deliveries - 1),
+                attempt=codec.attempt_of(t.headers, deliveries - 1, h.WIRE_LIMITS
+                                         if self.bounds is None else self.bounds(group)),
             )
         message.receipt = receipt
         return message

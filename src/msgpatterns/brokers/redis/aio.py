@@ -302,7 +302,8 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
                      timeout: float) -> list[Message]:
         await self._ensure_groups(topics, group)
         buried = _Buried()
-        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury)
+        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury,
+                               self.wire_bounds)
         wait = timeout
         now = time.monotonic()
         for topic in topics:
@@ -439,7 +440,8 @@ class AsyncRedisStreamsBroker(StreamsSettings, AsyncBrokerAdapter):
         the groups it used. Redis unreachable: logged, and those deliveries come back
         after ``visibility_timeout`` (none is lost)."""
         buried = _Buried()
-        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury)
+        decoder = EntryDecoder(self.consumer, self.max_message_bytes, buried.bury,
+                               self.wire_bounds)
         try:
             for (stream, group), (topic, retry) in sorted(self._origins.items()):
                 first = None

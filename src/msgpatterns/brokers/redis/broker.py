@@ -171,7 +171,8 @@ class RedisStreamsBroker(StreamsSettings, AckBatching, StreamReads, GroupUpkeep,
         # Entries that cannot be Messages are dead-lettered through ``_bury`` (looked
         # up per use: a test may replace it).
         self._decoder = EntryDecoder(self.consumer, self.max_message_bytes,
-                                     lambda message, record: self._bury(message, record))
+                                     lambda message, record: self._bury(message, record),
+                                     self.wire_bounds)
         #: The decoding of one entry (the tight loop of ``_messages`` falls back to it).
         self._message: Callable[..., Message | None] = self._decoder.message
         self._lock = threading.Lock()
