@@ -21,7 +21,15 @@ AsyncConsumer with AsyncRedisChecker vs Consumer with RedisChecker, both claimin
 completing the keys of a batch in one round trip each. Goal: at least 0.8x the sync
 consumer's rate.
 
+A third line compares the NATS JetStream adapters under AsyncConsumer (no-op handler,
+100 in flight, messages published beforehand to a topic of each run's own, on the real
+server: ``--nats-url``; skipped when it is not reachable): the native
+``AsyncNatsJetStreamBroker`` vs ``ThreadedAsyncBroker(NatsJetStreamBroker)`` (every
+call a worker-thread hop onto the sync adapter's own I/O loop), with the client CPU per
+message of each.
+
     python benchmarks/bench_async.py [--messages N] [--repeats R] [--redis-url URL]
+    python benchmarks/bench_async.py --only nats [--nats-messages N]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from _bench import bench_line, timed
 
@@ -215,7 +224,15 @@ def main() -> None:
         "MSGPATTERNS_REDIS_URL", "redis://127.0.0.1:6379/0"))
     parser.add_argument("--keys", type=int, default=5000,
                         help="messages per @idempotent consumer run")
+    parser.add_argument("--nats-url", default=os.environ.get(
+        "MSGPATTERNS_NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--nats-messages", type=int, default=5000,
+                        help="messages per NATS consumer run")
+    parser.add_argument("--only", choices=["nats"], default=None)
     args = parser.parse_args()
+    if args.only == "nats":
+        nats_bench(args.nats_url, args.nats_messages, args.repeats)
+        return
     n_async, n_sync = args.messages, max(1, args.messages // 5)
     rates: dict[str, list[float]] = {"async": [], "sync": [], "ceiling": [], "waves": []}
     cpu: dict[str, list[float]] = {"async": [], "ceiling": []}
@@ -254,6 +271,76 @@ def main() -> None:
                cpu_us_per_message=round(cpu_async, 1),
                ceiling_cpu_us_per_sleep=round(cpu_ceiling, 1))
     idempotent_bench(args.redis_url, args.keys, args.repeats)
+    nats_bench(args.nats_url, args.nats_messages, args.repeats)
+
+
+def nats_run(url: str, n: int, native: bool) -> tuple[float, float]:
+    """Seconds and CPU seconds for AsyncConsumer to consume ``n`` messages of a fresh
+    topic through the native or the threaded NATS adapter."""
+    from msgpatterns.aio import AsyncNatsJetStreamBroker, ThreadedAsyncBroker
+    from msgpatterns.brokers import NatsJetStreamBroker
+
+    topic = f"bench-anats-{uuid.uuid4().hex[:8]}"
+    publisher = NatsJetStreamBroker(url)
+    try:
+        publisher.subscribe(topic, "g")
+        for first in range(0, n, 500):
+            publisher.publish_many(topic, [b"x"] * min(500, n - first))
+
+        async def run() -> tuple[float, float]:
+            done = asyncio.Event()
+            count = 0
+
+            async def handle(message: Message) -> None:
+                nonlocal count
+                count += 1
+                if count == n:
+                    done.set()
+
+            broker: Any = (AsyncNatsJetStreamBroker(url) if native
+                           else ThreadedAsyncBroker(NatsJetStreamBroker(url)))
+            consumer = AsyncConsumer(broker, handle, topics=[topic], group="g",
+                                     max_in_flight=100, fetch_batch=100, poll_timeout=0.05)
+            start, cpu = time.perf_counter(), time.process_time()
+            await consumer.start()
+            await asyncio.wait_for(done.wait(), 600)
+            await consumer.stop(30)
+            elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+            await broker.close()
+            return elapsed, used
+
+        return asyncio.run(run())
+    finally:
+        publisher.run(publisher.jetstream.delete_stream(publisher.stream_name(topic)))
+        publisher.close()
+
+
+def nats_bench(url: str, n: int, repeats: int) -> None:
+    from msgpatterns.testing import services
+
+    try:
+        services.require("nats")
+    except BaseException as exc:  # a skip or a failure: report it and go on
+        print(f"aio.nats: skipped ({exc})")
+        return
+    runs: dict[str, list[tuple[float, float]]] = {"native": [], "threaded": []}
+    for _ in range(repeats):  # alternate, so that machine noise hits both alike
+        runs["native"].append(nats_run(url, n, native=True))
+        runs["threaded"].append(nats_run(url, n, native=False))
+    best = {k: min(v) for k, v in runs.items()}
+    rate = {k: n / best[k][0] for k in best}
+    cpu = {k: min(used for _, used in v) / n * 1e6 for k, v in runs.items()}
+    ratio = rate["native"] / rate["threaded"]
+    print(f"AsyncConsumer on AsyncNatsJetStreamBroker: {rate['native']:8.0f} msg/s "
+          f"({cpu['native']:.0f} CPU us/msg)")
+    print(f"AsyncConsumer on ThreadedAsyncBroker(NatsJetStreamBroker): "
+          f"{rate['threaded']:8.0f} msg/s ({cpu['threaded']:.0f} CPU us/msg); "
+          f"native / threaded {ratio:.2f}x")
+    bench_line("aio.nats_native_vs_threaded", "messages_per_second", rate["native"],
+               rate["threaded"], ratio, goal=">= 1x the threaded face", met=ratio >= 1.0,
+               messages=n, repeats=repeats, max_in_flight=100,
+               cpu_us_per_msg=round(cpu["native"], 1),
+               baseline_cpu_us_per_msg=round(cpu["threaded"], 1))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ publishing is not timed.
 * publish_many vs one-by-one publish, per adapter (Redis, RabbitMQ, NATS JetStream, Kafka
   on the librdkafka mock cluster), same broker object, same run: messages per second of
   ``publish`` in a loop and of ``publish_many`` in batches. Goal on RabbitMQ: at least
-  10x (one confirm wait per batch instead of one per message).
+  10x (one confirm wait per batch instead of one per message). The asyncio adapters
+  (``AsyncRabbitMQBroker``, ``AsyncNatsJetStreamBroker``) the same way on one event
+  loop, with the client CPU per message of both sides beside the ratio.
 
 Needs the real servers (MSGPATTERNS_REDIS_URL, MSGPATTERNS_RABBITMQ_URL,
 MSGPATTERNS_NATS_URL); a missing one is reported and skipped.
@@ -35,6 +37,7 @@ MSGPATTERNS_NATS_URL); a missing one is reported and skipped.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import threading
 import time
 import uuid
@@ -372,6 +375,94 @@ def compare_publish(name: str, service: str | None, make: Any, n: int, repeats: 
                repeats=repeats)
 
 
+async def _async_rabbitmq_publisher(url: str) -> tuple[Any, str, Callable[[], None]]:
+    from msgpatterns.aio import AsyncRabbitMQBroker
+
+    broker = AsyncRabbitMQBroker(url)
+    topic = f"bench-apm-{uuid.uuid4().hex[:8]}"
+    await broker.subscribe(topic, "g")  # a queue bound, so publishes are routable
+
+    def cleanup() -> None:
+        import pika
+
+        conn = pika.BlockingConnection(pika.URLParameters(url))
+        channel = conn.channel()
+        channel.queue_delete(f"{topic}.g")
+        channel.exchange_delete(topic)
+        conn.close()
+    return broker, topic, cleanup
+
+
+async def _async_nats_publisher(url: str) -> tuple[Any, str, Callable[[], None]]:
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+    from msgpatterns.brokers import NatsJetStreamBroker
+
+    broker = AsyncNatsJetStreamBroker(url)
+    topic = f"bench-apm-{uuid.uuid4().hex[:8]}"
+
+    def cleanup() -> None:
+        reopened = NatsJetStreamBroker(url)
+        try:
+            reopened._run(reopened._js.delete_stream(reopened.stream_name(topic)))
+        finally:
+            reopened.close()
+    return broker, topic, cleanup
+
+
+def publish_many_round_async(make: Any, url: str, n: int) -> dict[str, float]:
+    """:func:`publish_many_round` for an asyncio adapter, on one event loop: seconds
+    and client CPU seconds of each side."""
+    async def run() -> dict[str, float]:
+        broker, topic, cleanup = await make(url)
+        try:
+            await broker.publish(topic, b"warm-up")
+            start, cpu = time.perf_counter(), time.process_time()
+            for i in range(n):
+                await broker.publish(topic, str(i).encode())
+            single = time.perf_counter() - start
+            single_cpu = time.process_time() - cpu
+            start, cpu = time.perf_counter(), time.process_time()
+            for first in range(0, n, PUBLISH_BATCH):
+                ids = await broker.publish_many(
+                    topic, [str(i).encode()
+                            for i in range(first, min(n, first + PUBLISH_BATCH))])
+                assert len(ids) == min(PUBLISH_BATCH, n - first)
+            many = time.perf_counter() - start
+            many_cpu = time.process_time() - cpu
+            return {"single": single, "many": many, "single_cpu": single_cpu,
+                    "many_cpu": many_cpu}
+        finally:
+            try:
+                await broker.close()
+            finally:
+                cleanup()
+
+    return asyncio.run(run())
+
+
+def compare_publish_async(name: str, service: str, make: Any, n: int, repeats: int,
+                          goal: float) -> None:
+    if services._reachable(service) is not None:
+        print(f"{name}: skipped ({services._reachable(service)})")
+        return
+    url = services.url(service)
+    rounds = [publish_many_round_async(make, url, n) for _ in range(repeats)]
+    best_single = min(rounds, key=lambda r: r["single"])
+    best_many = min(rounds, key=lambda r: r["many"])
+    single = n / best_single["single"]
+    many = n / best_many["many"]
+    ratio = many / single
+    single_us = best_single["single_cpu"] / n * 1e6
+    many_us = best_many["many_cpu"] / n * 1e6
+    print(f"{name}: publish_many {many:,.0f} msg/s ({many_us:.0f} us CPU/msg), one-by-one "
+          f"publish {single:,.0f} msg/s ({single_us:.0f} us CPU/msg), ratio {ratio:.1f}x "
+          f"(batches of {PUBLISH_BATCH}, best of {repeats})")
+    bench_line(name, "publish_many_msgs_per_s_vs_publish", many, single, ratio,
+               f">= {goal:g}", ratio >= goal, messages=n, batch=PUBLISH_BATCH,
+               repeats=repeats, cpu_us_per_msg=round(many_us, 1),
+               baseline_cpu_us_per_msg=round(single_us, 1))
+
+
 def publish_many_benches(n: int, repeats: int) -> None:
     compare_publish("brokers.redis_streams.publish_many", "redis", _redis_publisher, n,
                     repeats, 2)
@@ -381,6 +472,10 @@ def publish_many_benches(n: int, repeats: int) -> None:
                     repeats, 2)
     compare_publish("brokers.kafka_mock.publish_many", None, _kafka_publisher, n,
                     repeats, 2)
+    compare_publish_async("aio.rabbitmq.publish_many", "rabbitmq",
+                          _async_rabbitmq_publisher, n, repeats, 10)
+    compare_publish_async("aio.nats_jetstream.publish_many", "nats",
+                          _async_nats_publisher, n, repeats, 2)
 
 
 # -- driver -------------------------------------------------------------------------

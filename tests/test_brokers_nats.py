@@ -12,6 +12,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -337,3 +338,137 @@ def test_the_ack_ledger_keeps_an_ack_until_an_echo_on_its_connection_confirms_it
     ledger.sent("$JS.ACK.d", 1)
     ledger.confirmed(echo, 1, 1)
     assert ledger.snapshot() == {"$JS.ACK.d": (1, b"")}
+
+
+# -- the native asyncio adapter ---------------------------------------------------------
+
+
+def test_async_close_hands_back_at_once_flushes_acks_and_then_refuses_everything(
+        nats_url: str, topic: str) -> None:
+    """AsyncNatsJetStreamBroker: what close() found unsettled is NAKed (back to the
+    group at once, ack_wait being far longer than the test), the acks sent just before
+    are confirmed, and every operation afterwards raises BrokerClosed."""
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    async def run() -> tuple[list[Message], list[bytes]]:
+        broker = AsyncNatsJetStreamBroker(nats_url, visibility_timeout=300)
+        await broker.publish_many(topic, [f"{i}".encode() for i in range(20)])
+        got: list[Message] = []
+        while len(got) < 20:
+            got += await broker.fetch(topic, "g", max_messages=20, timeout=1)
+        for message in got[:15]:
+            await broker.ack(message)
+        await broker.close()  # right after the acks; five never settled
+        for call in (lambda: broker.publish(topic, b"x"),
+                     lambda: broker.fetch(topic, "g"),
+                     lambda: broker.ack(got[15]),
+                     lambda: broker.nack(got[15], 1.0),
+                     lambda: broker.subscribe(topic, "g")):
+            with pytest.raises(BrokerClosed):
+                await call()
+        await broker.close()  # idempotent
+        async with AsyncNatsJetStreamBroker(nats_url, visibility_timeout=300) as again:
+            back: list[Message] = []
+            for _ in range(50):
+                back += await again.fetch(topic, "g", max_messages=20, timeout=0.2)
+                if len(back) >= 5:
+                    break
+            for message in back:
+                await again.ack(message)
+        return got, [m.raw_body for m in back]
+
+    got, back = asyncio.run(run())
+    assert sorted(back) == sorted(m.raw_body for m in got[15:])
+    assert consumer_state(nats_url, topic, "g") == (0, 0)
+
+
+def test_async_unreachable_server_fails_fast_with_a_typed_error() -> None:
+    require_library("nats", "AsyncNatsJetStreamBroker")
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    async def run() -> None:
+        broker = AsyncNatsJetStreamBroker("nats://127.0.0.1:1", connect_timeout=1.0)
+        try:
+            with pytest.raises(BrokerUnavailable, match=r"127\.0\.0\.1:1"):
+                await broker.connect()
+        finally:
+            await broker.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("bad", ["orders.*", "has space", "orders.__dlq"])
+def test_async_topics_that_are_not_plain_subjects_are_refused(nats_url: str,
+                                                              bad: str) -> None:
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    async def run() -> None:
+        async with AsyncNatsJetStreamBroker(nats_url) as broker:
+            with pytest.raises(ConfigurationError):
+                await broker.publish(bad, b"x")
+
+    asyncio.run(run())
+
+
+def test_async_dead_letter_admin_lists_and_replays_what_the_async_adapter_buried(
+        nats_url: str, topic: str) -> None:
+    from msgpatterns.aio import AsyncDeadLetters, AsyncNatsJetStreamBroker
+    from msgpatterns.deadletter import DeadLetter
+
+    async def run() -> None:
+        async with AsyncNatsJetStreamBroker(nats_url) as broker:
+            await broker.publish(topic, b"poison", key="p1")
+            [message] = await broker.fetch(topic, "g", max_messages=1, timeout=5)
+            record = DeadLetter.from_error(message, ValueError("no"), now=broker.now(),
+                                           reason="rejected", group="g")
+            await broker.dead_letter(message, record)
+            async with AsyncDeadLetters(broker.dead_letter_admin()) as admin:
+                [listed] = await admin.list_dead_letters(topic, "g")
+                assert listed.message.key == "p1" and listed.reason == "rejected"
+                assert await admin.replay_dead_letters(topic, "g") == 1
+            [replayed] = await broker.fetch(topic, "g", max_messages=1, timeout=5)
+            assert (replayed.key, replayed.attempt) == ("p1", 1)
+            await broker.ack(replayed)
+
+    asyncio.run(run())
+
+
+def test_a_fetch_never_hands_out_more_than_asked_and_keeps_the_rest_for_the_next() -> None:
+    """nats-py's pull ``fetch(n)`` hands over every late answer its subscription holds,
+    which can be more than ``n`` (AsyncConsumer's max_in_flight was exceeded by it): the
+    session hands out ``n``, keeps the rest for the next fetch and hands them back on
+    close. Both adapters run this session; no server needed."""
+    require_library("nats", "AsyncNatsJetStreamBroker")
+    from msgpatterns.brokers.nats._session import JetStreamSession
+
+    class Main:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        async def fetch(self, batch: int, timeout: float) -> list[str]:
+            self.calls.append(batch)
+            return [f"late-{i}" for i in range(5)] if len(self.calls) == 1 else []
+
+    class Session(JetStreamSession):
+        def __init__(self) -> None:
+            self._closed = False
+            self._start_session()
+
+        async def _probe(self, probe: Any, limit: int) -> list[Any]:
+            return []
+
+        async def _message(self, msg: Any, topic: str, group: str) -> Message | None:
+            return Message(msg.encode(), id=msg)
+
+    async def run() -> tuple[list[list[str | None]], list[int], list[Any]]:
+        session = Session()
+        main = Main()
+        session._subs[("t", "g")] = (SimpleNamespace(sub=None), main)
+        rounds = [[m.id for m in await session._fetch(["t"], "g", 3, 0.01)]
+                  for _ in range(3)]
+        return rounds, main.calls, session._buffered()
+
+    rounds, calls, left = asyncio.run(run())
+    assert rounds == [["late-0", "late-1", "late-2"], ["late-3", "late-4"], []]
+    assert calls == [3, 1, 3]  # the second fetch asked only for what was still wanted
+    assert left == []  # nothing left to hand back on close

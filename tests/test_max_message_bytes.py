@@ -112,6 +112,8 @@ ADAPTERS: dict[str, Adapter] = {a.name: a for a in [
             "msgpatterns.aio.kafka_native:AIOKafkaBroker",
             {"consumer_config": AIOKAFKA_TEST_CONSUMER}, is_async=True),
     Adapter("nats", "nats", "nats", "msgpatterns.brokers:NatsJetStreamBroker"),
+    Adapter("nats-async", "nats", "nats", "msgpatterns.aio:AsyncNatsJetStreamBroker",
+            is_async=True),
 ]}
 
 MARKS = {"redis": pytest.mark.redis, "rabbitmq": pytest.mark.rabbitmq,

@@ -9,6 +9,7 @@ carries the credentials (an active attacker strips TLS by editing the INFO line)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -174,7 +175,8 @@ def test_tls_with_the_ca_file_connects_and_works(tls_server: int, certs: Certs) 
 @pytest.mark.parametrize("scheme", ["tls", "nats"])
 def test_an_ssl_context_is_honoured_on_both_schemes(tls_server: int, certs: Certs,
                                                     scheme: str) -> None:
-    """``nats://`` with a TLS context means TLS too (the context is the intent)."""
+    """``nats://`` with a TLS context means TLS too (the context is the intent), on the
+    sync adapter, its threaded async face and the native async adapter."""
     from msgpatterns.aio import ThreadedAsyncBroker
     from msgpatterns.brokers import NatsJetStreamBroker
 
@@ -184,6 +186,9 @@ def test_an_ssl_context_is_honoured_on_both_schemes(tls_server: int, certs: Cert
     face = ThreadedAsyncBroker(broker)
     assert not face.closed
     broker.close()
+    topic = f"tls-{uuid.uuid4().hex[:8]}"
+    assert use_async(f"{scheme}://127.0.0.1:{tls_server}", topic=topic,
+                     tls_context=context, connect_timeout=10) == [b"over tls"]
 
 
 def test_a_failed_verification_names_the_ssl_problem_at_once(tls_server: int,
@@ -208,6 +213,71 @@ def test_tls_options_are_checked(certs: Certs, tmp_path: Path) -> None:
                             tls_context=ssl.create_default_context())
     with pytest.raises(ConfigurationError, match="CA file"):
         NatsJetStreamBroker("tls://127.0.0.1:1", tls_ca_file=str(tmp_path / "missing.pem"))
+
+
+# -- the native asyncio adapter: the same guarantees --------------------------------------
+
+
+def use_async(url: str, *, topic: str | None = None, **options: object) -> list[bytes]:
+    """Connect an AsyncNatsJetStreamBroker to ``url``; with ``topic``, publish, fetch
+    and ack one message over it (its body returned); close."""
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    async def use() -> list[bytes]:
+        broker = AsyncNatsJetStreamBroker(url, **options)  # type: ignore[arg-type]
+        try:
+            await broker.connect()
+            if topic is None:
+                return []
+            await broker.publish(topic, b"over tls")
+            got = await broker.fetch(topic, "g", max_messages=1, timeout=5)
+            for message in got:
+                await broker.ack(message)
+            return [m.raw_body for m in got]
+        finally:
+            await broker.close()
+
+    return asyncio.run(use())
+
+
+def test_async_tls_url_refuses_a_server_that_does_not_ask_for_tls(
+        plaintext_proxy: RecordingProxy) -> None:
+    url = f"tls://alice:{SECRET}@127.0.0.1:{plaintext_proxy.port}"
+    with pytest.raises(BrokerUnavailable) as caught:
+        use_async(url, connect_timeout=5)
+    text = str(caught.value)
+    assert "TLS" in text and "plaintext" in text and SECRET not in text, text
+    assert b"CONNECT" not in plaintext_proxy.sent
+    assert SECRET.encode() not in plaintext_proxy.sent
+
+
+def test_async_tls_with_the_ca_file_connects_and_works(tls_server: int,
+                                                       certs: Certs) -> None:
+    topic = f"tls-{uuid.uuid4().hex[:8]}"
+    assert use_async(f"tls://127.0.0.1:{tls_server}", topic=topic,
+                     tls_ca_file=str(certs.ca), connect_timeout=10) == [b"over tls"]
+
+
+def test_async_failed_verification_names_the_ssl_problem_at_once(tls_server: int,
+                                                                 certs: Certs) -> None:
+    for options in ({}, {"tls_ca_file": str(certs.other_ca)}):
+        started = time.monotonic()
+        with pytest.raises(BrokerUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            use_async(f"tls://127.0.0.1:{tls_server}", connect_timeout=30, **options)
+        assert time.monotonic() - started < 15  # not retried until the timeout
+
+
+def test_async_tls_options_are_checked_at_construction(certs: Certs,
+                                                       tmp_path: Path) -> None:
+    require_library("nats", "AsyncNatsJetStreamBroker")
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    with pytest.raises(ConfigurationError, match="not both"):
+        AsyncNatsJetStreamBroker("tls://127.0.0.1:1", tls_ca_file=str(certs.ca),
+                                 tls_context=ssl.create_default_context())
+    with pytest.raises(ConfigurationError, match="CA file"):
+        AsyncNatsJetStreamBroker("tls://127.0.0.1:1",
+                                 tls_ca_file=str(tmp_path / "missing.pem"))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

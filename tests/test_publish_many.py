@@ -1,17 +1,84 @@
 """``publish_many`` on the adapters (issue 13, item 6): ids in order, each message as
-``publish`` would send it, one round trip per batch, and the failure semantics."""
+``publish`` would send it, one round trip per batch, and the failure semantics.
+
+The asyncio adapters (``rabbitmq-async``: :class:`~msgpatterns.aio.AsyncRabbitMQBroker`,
+``nats-async``: :class:`~msgpatterns.aio.AsyncNatsJetStreamBroker`) run the same test
+bodies: each is driven through :class:`OnALoop`, a sync face that runs every coroutine
+on an event loop of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import inspect
+import threading
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from broker_harness import Harness, drain, make_harness
+from broker_harness import HARNESSES, Harness, NatsHarness, RabbitMQHarness, drain, require_library
 from msgpatterns.brokers import Outgoing, PartialPublish
 
 pytestmark = pytest.mark.timeout(60)
+
+
+class OnALoop:
+    """An async adapter behind the sync face: each coroutine method runs on a private
+    event loop thread and is waited for (the broker is built on that loop)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def build() -> Any:
+            return make()
+
+        self.broker = self.run(build())
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.broker, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+        return lambda *args, **kwargs: self.run(attr(*args, **kwargs))
+
+    def close(self) -> None:
+        try:
+            self.run(self.broker.close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+class AsyncRabbitMQHarness(RabbitMQHarness):
+    name = "rabbitmq-async"
+
+    def __init__(self, unique: str) -> None:
+        require_library("aio_pika", "AsyncRabbitMQBroker")
+        super().__init__(unique)
+
+    def _make(self) -> Any:
+        from msgpatterns.aio import AsyncRabbitMQBroker
+
+        return OnALoop(lambda: AsyncRabbitMQBroker(self.url, prefetch=50))
+
+
+class AsyncNatsHarness(NatsHarness):
+    name = "nats-async"
+
+    def _make(self) -> Any:
+        from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+        return OnALoop(lambda: AsyncNatsJetStreamBroker(self.url, visibility_timeout=1.0))
+
+
+KINDS: dict[str, type[Harness]] = {**HARNESSES, "rabbitmq-async": AsyncRabbitMQHarness,
+                                   "nats-async": AsyncNatsHarness}
 
 
 @pytest.fixture(params=[
@@ -19,10 +86,16 @@ pytestmark = pytest.mark.timeout(60)
     pytest.param("redis", marks=pytest.mark.redis),
     pytest.param("kafka", marks=pytest.mark.kafka),
     pytest.param("nats", marks=pytest.mark.nats),
+    pytest.param("nats-async", marks=pytest.mark.nats),
     pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+    pytest.param("rabbitmq-async", marks=pytest.mark.rabbitmq),
 ])
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
-    yield from make_harness(request.param)
+    made = KINDS[request.param](uuid.uuid4().hex[:10])
+    try:
+        yield made
+    finally:
+        made.cleanup()
 
 
 def test_publish_many_sends_each_message_like_publish(harness: Harness) -> None:
@@ -119,12 +192,23 @@ def test_kafka_publish_many_reports_which_were_confirmed() -> None:
 
 
 @pytest.mark.rabbitmq
-def test_rabbitmq_publish_many_to_a_missing_exchange_sends_nothing(unique: str) -> None:
-    from msgpatterns.brokers import RabbitMQBroker
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_rabbitmq_publish_many_to_a_missing_exchange_sends_nothing(unique: str,
+                                                                   kind: str) -> None:
     from msgpatterns.errors import UnroutableError
     from msgpatterns.testing import services
 
-    with RabbitMQBroker(services.require("rabbitmq")) as broker:
+    url = services.require("rabbitmq")
+    if kind == "sync":
+        from msgpatterns.brokers import RabbitMQBroker
+
+        broker: Any = RabbitMQBroker(url)
+    else:
+        require_library("aio_pika", "AsyncRabbitMQBroker")
+        from msgpatterns.aio import AsyncRabbitMQBroker
+
+        broker = OnALoop(lambda: AsyncRabbitMQBroker(url))
+    try:
         with pytest.raises(PartialPublish) as caught:
             broker.publish_many(f"nowhere-{unique}", [b"a", b"b"])
         assert caught.value.ids == [None, None]
@@ -137,3 +221,40 @@ def test_rabbitmq_publish_many_to_a_missing_exchange_sends_nothing(unique: str) 
             from broker_harness import delete_rabbitmq_topology
 
             delete_rabbitmq_topology(services.url("rabbitmq"), topic, "g")
+    finally:
+        broker.close()
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_rabbitmq_publish_many_with_no_queue_bound_confirms_nothing(unique: str,
+                                                                    kind: str) -> None:
+    """The exchange exists but no queue is bound: each message is returned, none is
+    confirmed as kept (PartialPublish, its cause an UnroutableError on asyncio)."""
+    import pika
+
+    from msgpatterns.testing import services
+
+    url = services.require("rabbitmq")
+    topic = f"unbound-{unique}"
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        conn.channel().exchange_declare(topic, "fanout", durable=False, auto_delete=False)
+        if kind == "sync":
+            from msgpatterns.brokers import RabbitMQBroker
+
+            broker: Any = RabbitMQBroker(url)
+        else:
+            require_library("aio_pika", "AsyncRabbitMQBroker")
+            from msgpatterns.aio import AsyncRabbitMQBroker
+
+            broker = OnALoop(lambda: AsyncRabbitMQBroker(url))
+        try:
+            with pytest.raises(PartialPublish) as caught:
+                broker.publish_many(topic, [b"a", b"b", b"c"])
+            assert caught.value.ids == [None, None, None]
+        finally:
+            broker.close()
+    finally:
+        conn.channel().exchange_delete(topic)
+        conn.close()

@@ -116,6 +116,65 @@ def test_nats_password_stays_out_of_repr_errors_and_dead_letters(logs: Any,
         delete_nats_stream(url, topic)
 
 
+def test_async_nats_repr_and_connect_error_hide_the_password(logs: Any) -> None:
+    require_library("nats", "AsyncNatsJetStreamBroker")
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    broker = AsyncNatsJetStreamBroker([f"nats://alice:{SECRET}@127.0.0.1:{dead_port()}",
+                                       f"tls://{SECRET}@127.0.0.1:{dead_port()}"],
+                                      connect_timeout=1.0)
+    assert SECRET not in repr(broker)
+
+    async def attempt() -> BaseException:
+        try:
+            await broker.fetch("t", "g", timeout=0.1)
+        except BrokerError as exc:
+            return exc
+        finally:
+            await broker.close()
+        raise AssertionError("connected to a dead port")
+
+    assert SECRET not in everything_about(asyncio.run(attempt()))
+
+
+@pytest.mark.nats
+def test_async_nats_password_stays_out_of_repr_errors_and_dead_letters(
+        logs: Any, unique: str) -> None:
+    """As the sync test: a handler of the native async adapter fails with a closed
+    broker's BrokerClosed; nothing stored or shown holds the password."""
+    require_library("nats", "AsyncNatsJetStreamBroker")
+    url = services.require("nats")
+    from msgpatterns.aio import AsyncConsumer, AsyncNatsJetStreamBroker
+    from msgpatterns.brokers import NatsJetStreamBroker
+
+    with_password = url.replace("nats://", f"nats://alice:{SECRET}@", 1)
+    topic = f"redact-{unique}"
+
+    async def run() -> None:
+        async with AsyncNatsJetStreamBroker(with_password) as broker:
+            assert SECRET not in repr(broker) and "alice:***@" in repr(broker)
+            gone = AsyncNatsJetStreamBroker(with_password)
+            await gone.close()
+
+            async def handler(message: Any) -> None:
+                await gone.publish(topic, b"x")  # raises BrokerClosed naming the broker
+
+            await broker.publish(topic, b"m")
+            consumer = AsyncConsumer(broker, handler, topics=[topic], group="g",
+                                     retry=RetryPolicy(max_attempts=1), poll_timeout=0.05)
+            await consumer.run_until_idle(timeout=30)
+
+    try:
+        asyncio.run(run())
+        with NatsJetStreamBroker(url) as admin:
+            [dead] = admin.list_dead_letters(topic, "g")
+        stored = " ".join([dead.error_message, dead.reason, dead.traceback])
+        assert "BrokerClosed" in dead.error_type and "alice:***@" in stored
+        assert SECRET not in stored and SECRET not in logs.text
+    finally:
+        delete_nats_stream(url, topic)
+
+
 @pytest.mark.nats
 def test_nats_password_stays_out_of_spans(unique: str) -> None:
     """The span of a delivery whose handler failed with the adapter's error: its

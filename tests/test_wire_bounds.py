@@ -441,6 +441,22 @@ def test_nats_forged_attempt_and_far_due_time(nats_topic: tuple[str, str]) -> No
     _assert_retried(handler, consumer, [body for body, _ in items])
 
 
+@pytest.mark.nats
+def test_nats_forged_attempt_and_far_due_time_on_the_async_adapter(
+        nats_topic: tuple[str, str]) -> None:
+    """The same on the native asyncio adapter (it reads its group's bounds as the
+    sync one does: one JetStream session)."""
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+    url, topic = nats_topic
+    items = [(b"attempt-9000", {h.ATTEMPT: "9000"}),
+             (b"due-6d", {h.RETRY_DUE_AT: repr(time.time() + SIX_DAYS)})]
+    handler = FailsOnce(len(items))
+    consumer = run_async_consumer(AsyncNatsJetStreamBroker(url), topic, "g", handler,
+                                  lambda: nats_publish(url, topic, items))
+    _assert_retried(handler, consumer, [body for body, _ in items])
+
+
 @pytest.fixture
 def rabbit_names(rabbitmq_url: str, unique: str) -> Iterator[tuple[str, str]]:
     require_library("pika", "RabbitMQBroker")

@@ -149,12 +149,19 @@ def test_nats_forged_headers_dead_letter_that_message_and_nothing_else(
 
 
 @pytest.mark.nats
-def test_nats_forged_headers_on_the_async_face(nats_url: str, nats_topic: str) -> None:
-    from msgpatterns.aio import ThreadedAsyncBroker
+@pytest.mark.parametrize("face", ["threaded", "native"])
+def test_nats_forged_headers_on_the_async_face(nats_url: str, nats_topic: str,
+                                               face: str) -> None:
+    from msgpatterns.aio import AsyncNatsJetStreamBroker, ThreadedAsyncBroker
     from msgpatterns.brokers import NatsJetStreamBroker
 
+    def dead_letters() -> list:
+        with NatsJetStreamBroker(nats_url) as admin:
+            return admin.list_dead_letters(nats_topic, "g")
+
     async def run() -> list:
-        broker = ThreadedAsyncBroker(NatsJetStreamBroker(nats_url))
+        broker: Any = (ThreadedAsyncBroker(NatsJetStreamBroker(nats_url)) if face == "threaded"
+                       else AsyncNatsJetStreamBroker(nats_url))
         try:
             await broker.subscribe(nats_topic, "g")
             await asyncio.to_thread(nats_publish, nats_url, nats_topic, [
@@ -165,7 +172,7 @@ def test_nats_forged_headers_on_the_async_face(nats_url: str, nats_topic: str) -
                 got = await broker.fetch([nats_topic], "g", max_messages=10, timeout=0.5)
             assert [m.raw_body for m in got] == [b"good"]
             await broker.ack(got[0])
-            return await asyncio.to_thread(broker.sync.list_dead_letters, nats_topic, "g")
+            return await asyncio.to_thread(dead_letters)
         finally:
             await broker.close()
 

@@ -15,8 +15,9 @@ that is a foreign thread, as ``HealthServer``'s is).
 
 Brokers: a test hands its consumer an :class:`~msgpatterns.InMemoryBroker` (the async
 driver wraps it in an :class:`~msgpatterns.aio.AsyncInMemoryBroker`: one fake, one
-state, asserted on the same way), or a real Redis Streams adapter made by
-:meth:`Driver.redis_broker` (the sync or the asyncio adapter, same wire format).
+state, asserted on the same way), or a real Redis Streams or NATS JetStream adapter
+made by :meth:`Driver.redis_broker` or :meth:`Driver.nats_broker` (the sync or the
+asyncio adapter, same wire format).
 """
 
 from __future__ import annotations
@@ -303,6 +304,20 @@ class Driver:
             from msgpatterns.aio import AsyncRedisStreamsBroker as cls
         else:
             from msgpatterns.brokers import RedisStreamsBroker as cls  # type: ignore[assignment]
+        broker = self.make(cls, url, **options)
+        try:
+            yield broker
+        finally:
+            self.close(broker)
+
+    @contextmanager
+    def nats_broker(self, url: str, **options: Any) -> Iterator[Any]:
+        """This driver's NATS JetStream adapter on ``url`` (closed afterwards): the
+        sync one, or the native asyncio one."""
+        if self.is_async:
+            from msgpatterns.aio import AsyncNatsJetStreamBroker as cls
+        else:
+            from msgpatterns.brokers import NatsJetStreamBroker as cls  # type: ignore[assignment]
         broker = self.make(cls, url, **options)
         try:
             yield broker

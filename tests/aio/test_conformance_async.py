@@ -1,12 +1,11 @@
 """The broker conformance suite for the async adapters: the async fake, Redis Streams
-on redis.asyncio, RabbitMQ on aio-pika (real servers) and Kafka (librdkafka's mock
-cluster), with the rules of
-tests/test_conformance.py (DESIGN 2, 3, 7): publish/fetch/ack; a nack delay is
-honoured and the retry carries the original payload and the headers at nack time; the
-attempt count survives redelivery, restart and crash; max_attempts ends in a full dead
-letter; an undecodable body is dead-lettered and the consumer keeps going;
-max_in_flight holds. Plus the shared wire format: a message retried by the sync adapter
-is read by the async one and back.
+on redis.asyncio, RabbitMQ on aio-pika, NATS JetStream on nats-py (real servers) and
+Kafka (librdkafka's mock cluster), with the rules of tests/test_conformance.py
+(DESIGN 2, 3, 7): publish/fetch/ack; a nack delay is honoured and the retry carries the
+original payload and the headers at nack time; the attempt count survives redelivery,
+restart and crash; max_attempts ends in a full dead letter; an undecodable body is
+dead-lettered and the consumer keeps going; max_in_flight holds. Plus the shared wire
+format: a message retried by the sync adapter is read by the async one and back.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import pytest
 
 from broker_harness import (
     KAFKA_TEST_CONSUMER,
+    delete_nats_stream,
     delete_rabbitmq_topology,
     kafka_cluster,
     require_library,
@@ -246,6 +246,49 @@ class KafkaHarness(AsyncHarness):
                     await result
 
 
+class NatsHarness(AsyncHarness):
+    """NATS JetStream on nats-py's asyncio client, natively (no thread)."""
+
+    name = "nats"
+    crash_window = 3.0  # the visibility timeout (ack_wait) plus a fetch
+    quiet = 1.5
+
+    def __init__(self) -> None:
+        require_library("nats", "AsyncNatsJetStreamBroker")
+        super().__init__()
+        self.url = services.require("nats")
+
+    def _make(self) -> Any:
+        from msgpatterns.aio import AsyncNatsJetStreamBroker
+
+        return AsyncNatsJetStreamBroker(self.url, visibility_timeout=1.0)
+
+    def sync_broker(self) -> Any:
+        from msgpatterns.brokers import NatsJetStreamBroker
+
+        broker = NatsJetStreamBroker(self.url, visibility_timeout=1.0)
+        self.brokers.append(broker)
+        return broker
+
+    async def crash(self, broker: Any) -> None:
+        broker._closed = True  # dies: nothing handed back, nothing acked
+        await broker._nc.close()
+
+    def dead_letters(self) -> list[DeadLetter]:
+        from msgpatterns.brokers import NatsJetStreamBroker
+
+        with NatsJetStreamBroker(self.url) as broker:
+            return broker.dead_letter_admin().list_dead_letters(self.topic, self.group)
+
+    async def cleanup(self) -> None:
+        for broker in self.brokers:
+            with contextlib.suppress(Exception):
+                result = broker.close()
+                if asyncio.iscoroutine(result):
+                    await result
+        await asyncio.to_thread(delete_nats_stream, self.url, self.topic)
+
+
 class AIOKafkaHarness(KafkaHarness):
     """Kafka on aiokafka (no threads), against the same mock cluster and topics."""
 
@@ -288,7 +331,7 @@ AIOKAFKA_TEST_CONSUMER = {"fetch_max_wait_ms": 50, "session_timeout_ms": 4000,
 
 HARNESSES: dict[str, Callable[[], AsyncHarness]] = {
     "memory": MemoryHarness, "redis": RedisHarness, "rabbitmq": RabbitMQHarness,
-    "kafka": KafkaHarness, "kafka-aiokafka": AIOKafkaHarness,
+    "kafka": KafkaHarness, "kafka-aiokafka": AIOKafkaHarness, "nats": NatsHarness,
 }
 
 
@@ -296,6 +339,7 @@ HARNESSES: dict[str, Callable[[], AsyncHarness]] = {
                         pytest.param("redis", id="redis", marks=pytest.mark.redis),
                         pytest.param("rabbitmq", id="rabbitmq", marks=pytest.mark.rabbitmq),
                         pytest.param("kafka", id="kafka", marks=pytest.mark.kafka),
+                        pytest.param("nats", id="nats", marks=pytest.mark.nats),
                         pytest.param("kafka-aiokafka", id="kafka-aiokafka",
                                      marks=pytest.mark.kafka)])
 async def h(request: pytest.FixtureRequest) -> AsyncIterator[AsyncHarness]:

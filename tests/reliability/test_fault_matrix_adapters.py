@@ -1,7 +1,8 @@
 """The fault matrix for the adapters the Redis and asyncio-RabbitMQ files do not cover
-(issue 19, "The harness"): sync RabbitMQ, NATS JetStream (sync, and asyncio through
-:class:`~msgpatterns.aio.threaded.ThreadedAsyncBroker`) and Kafka on librdkafka's mock
-cluster, each x {plain handler, ``@idempotent`` (batch claims, the default)} x the
+(issue 19, "The harness"): sync RabbitMQ, NATS JetStream (sync; asyncio through
+:class:`~msgpatterns.aio.threaded.ThreadedAsyncBroker`, kind ``async``; and the native
+:class:`~msgpatterns.aio.AsyncNatsJetStreamBroker`, kind ``native``) and Kafka on
+librdkafka's mock cluster, each x {plain handler, ``@idempotent`` (batch claims, the default)} x the
 faults that apply to it:
 
 * ``server-close``: the server ends the consumer's connection while messages flow
@@ -32,6 +33,7 @@ import asyncio
 import contextlib
 import ctypes
 import glob
+import inspect
 import os
 import shutil
 import subprocess
@@ -81,6 +83,8 @@ class Target:
     server_close: Callable[[], int]  # faults injected (0: none found)
     proxy: FaultProxy | None = None
     cleanup: list[Callable[[], None]] = field(default_factory=list)
+    #: the consumer's broker as a native asyncio adapter (built on the driver's loop)
+    make_async_broker: Callable[[], Any] | None = None
 
 
 def rabbitmq_target(unique: str, proxy_faults: bool) -> Target:
@@ -119,6 +123,7 @@ def rabbitmq_target(unique: str, proxy_faults: bool) -> Target:
 def nats_target(unique: str) -> Target:
     """Every consumer connection goes through a FaultProxy (its "server-side close" is
     the proxy killing them); the publisher and the inspector connect directly."""
+    from msgpatterns.aio import AsyncNatsJetStreamBroker
     from msgpatterns.brokers import NatsJetStreamBroker
 
     url = services.require("nats")
@@ -170,7 +175,9 @@ def nats_target(unique: str) -> Target:
         make_broker=lambda: NatsJetStreamBroker(proxy.url(url), name=f"fxm-{unique}",
                                                 visibility_timeout=NATS_ACK_WAIT),
         publish=publish, stranded=stranded, server_close=proxy.kill_all, proxy=proxy,
-        cleanup=[cleanup])
+        cleanup=[cleanup],
+        make_async_broker=lambda: AsyncNatsJetStreamBroker(
+            proxy.url(url), name=f"fxm-{unique}", visibility_timeout=NATS_ACK_WAIT))
 
 
 class MockKafkaCluster:
@@ -274,7 +281,8 @@ def kafka_target(unique: str) -> Target:
 # -- the matrix -------------------------------------------------------------------------
 
 FAULTS = ["server-close", "killed-while-idle", "lost-reply", "stop-close-race"]
-ADAPTERS = [("rabbitmq", "sync"), ("nats", "sync"), ("nats", "async"), ("kafka", "sync")]
+ADAPTERS = [("rabbitmq", "sync"), ("nats", "sync"), ("nats", "async"), ("nats", "native"),
+            ("kafka", "sync")]
 MARKS = {"rabbitmq": pytest.mark.rabbitmq, "nats": pytest.mark.nats,
          "kafka": pytest.mark.kafka}
 
@@ -290,7 +298,7 @@ NATS_IN_TRANSIT = ("NATS: a delivery in transit to a connection that dies waits 
                    "ack_wait (visibility_timeout); JetStream cannot say which it was")
 KNOWN: dict[tuple[str, str, str, str], str] = {
     ("nats", kind, mode, fault): NATS_IN_TRANSIT
-    for kind in ("sync", "async") for mode in ("plain", "idempotent")
+    for kind in ("sync", "async", "native") for mode in ("plain", "idempotent")
     for fault in ("killed-while-idle", "server-close", "lost-reply")
 }
 
@@ -331,8 +339,9 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
     target = build_target(adapter, unique, fault)
     effects = Effects()
     checker: Any = None
+    on_loop = kind in ("async", "native")  # an AsyncConsumer on the driver's loop
     if mode == "idempotent":
-        if kind == "async":
+        if on_loop:
             checker = AsyncRedisChecker(
                 with_client_name(services.require("redis"), f"fxm-{unique}"),
                 namespace=f"fxm-{unique}", ttl=600)
@@ -351,9 +360,11 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
     def build() -> Any:
         options: dict[str, Any] = {"retry": POLICY, "poll_timeout": 0.05,
                                    "ack_timeout": 0}
-        broker = target.make_broker()
+        make_async = target.make_async_broker
+        native = kind == "native" and make_async is not None
+        broker = make_async() if make_async is not None and native else target.make_broker()
         brokers.append(broker)
-        if kind == "async":
+        if on_loop:
             async def handle_async(message: Message) -> None:
                 if not gate.is_set():
                     await asyncio.to_thread(gate.wait, WAIT)
@@ -361,7 +372,8 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
 
             handler: Any = handle_async if checker is None \
                 else idempotent(checker, group="g")(handle_async)
-            return AsyncConsumer(ThreadedAsyncBroker(broker), handler, topics=[target.topic],
+            face = broker if native else ThreadedAsyncBroker(broker)
+            return AsyncConsumer(face, handler, topics=[target.topic],
                                  group="g", max_in_flight=IN_FLIGHT, **options)
         # (``is None``: an empty MemoryChecker is falsy, it has a length)
         handler = apply if checker is None else idempotent(checker, group="g")(apply)
@@ -374,7 +386,7 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
     def all_in(count: int) -> bool:
         return effects.wait_for(lambda: len(effects.count) >= count, WAIT)
 
-    driver = Driver(kind)
+    driver = Driver("async" if on_loop else "sync")
     faults = 0
     recoveries: list[float] = []
     began = faulted_at = time.monotonic()
@@ -397,7 +409,7 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
         elif fault == "stop-close-race":  # two raced rounds, then a consumer that drains
             publish(0, N)
             for _ in range(2):
-                driver = Driver(kind)
+                driver = Driver("async" if on_loop else "sync")
                 driver.start(build)
                 before = sum(effects.count.values())
                 effects.wait_for(lambda b=before: sum(effects.count.values()) >= b + 20,
@@ -405,7 +417,7 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
                 race_stop_and_close(driver, brokers[-1])
                 driver.finish()
                 faults += 1
-            driver = Driver(kind)
+            driver = Driver("async" if on_loop else "sync")
             driver.start(build)
         else:
             publish(0, N)
@@ -440,14 +452,17 @@ def test_adapter_fault_matrix(adapter: str, kind: str, mode: str, fault: str,
             driver.stop()
         for broker in brokers:
             with contextlib.suppress(Exception):
-                broker.close()
+                if not inspect.iscoroutinefunction(broker.close):
+                    broker.close()
+                elif not broker.closed:  # a native async adapter: on its loop
+                    driver.call(broker.close)
         driver.finish()
         if target.proxy is not None:
             target.proxy.close()
         for cleanup in target.cleanup:
             with contextlib.suppress(Exception):
                 cleanup()
-        if checker is not None and kind == "async":
+        if checker is not None and on_loop:
             asyncio.run(checker.aclose())
     lost = sum(1 for i in range(N) if effects.count[f"m{i}"] == 0)
     doubled = effects.doubled()

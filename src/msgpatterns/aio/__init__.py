@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from msgpatterns.aio.version_guard import AsyncVersionGuard
     from msgpatterns.brokers.kafka.aio import AIOKafkaBroker, AsyncKafkaBroker
     from msgpatterns.brokers.kafka.aio_threaded import ThreadedAsyncKafkaBroker
+    from msgpatterns.brokers.nats.aio import AsyncNatsJetStreamBroker
     from msgpatterns.brokers.rabbitmq.aio import AsyncRabbitMQBroker
     from msgpatterns.brokers.redis.aio import AsyncRedisStreamsBroker
     from msgpatterns.brokers.threaded import ThreadedAsyncBroker
@@ -48,6 +49,7 @@ __all__ = [
     "AsyncInMemoryBroker",
     "AsyncKafkaBroker",
     "AsyncMultipleQueueFlusher",
+    "AsyncNatsJetStreamBroker",
     "AsyncRabbitMQBroker",
     "AsyncRedisStreamsBroker",
     "AsyncVersionGuard",
@@ -58,6 +60,7 @@ __all__ = [
 _LAZY = {
     "AsyncRedisStreamsBroker": "msgpatterns.brokers.redis.aio",
     "AsyncRabbitMQBroker": "msgpatterns.brokers.rabbitmq.aio",
+    "AsyncNatsJetStreamBroker": "msgpatterns.brokers.nats.aio",
     "AsyncKafkaBroker": "msgpatterns.brokers.kafka.aio",
     "ThreadedAsyncKafkaBroker": "msgpatterns.brokers.kafka.aio_threaded",
     "AIOKafkaBroker": "msgpatterns.brokers.kafka.aio",

@@ -1,11 +1,13 @@
-"""The acks of :class:`~msgpatterns.brokers.nats.broker.NatsJetStreamBroker`, confirmed.
+"""The acks of the NATS adapters (:class:`~msgpatterns.brokers.nats.broker.NatsJetStreamBroker`
+and :class:`~msgpatterns.brokers.nats.aio.AsyncNatsJetStreamBroker`), confirmed.
 
 An ack (or a NAK) is a plain publish the client writes and forgets: one written as the
 connection died is lost with it. Each is kept in an :class:`~._acks.AckLedger` until an
 echo queued behind it comes back on the same connection, and sent again after a
 reconnect. On ``close()`` every delivery handed out and never settled is NAKed (back to
-the group at once, not after ``ack_wait``). A part of the adapter, run on its I/O loop:
-its state is the adapter's."""
+the group at once, not after ``ack_wait``). A part of the adapter, run on the loop of
+its client (the sync adapter's I/O loop, the caller's loop for the asyncio one): its
+state is the adapter's."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class ConfirmedAcks:
     _fetches_done: asyncio.Event
     _echo_token: int
     _subs: dict[tuple[str, str], Any]
+    _carried: dict[tuple[str, str], list[Any]]
 
     def _connection(self) -> int:
         """Which connection the client is on (its reconnect count)."""
@@ -90,9 +93,11 @@ class ConfirmedAcks:
 
     def _buffered(self) -> list[Any]:
         """Deliveries that reached this client after their fetch ended (a pull
-        request answered late): the next fetch would have read them; on close they are
-        handed back. nats-py has no public way to take them off a pull subscription."""
-        found: list[Any] = []
+        request answered late), or that a fetch received beyond what it was asked for:
+        the next fetch would have read them; on close they are handed back. nats-py has
+        no public way to take them off a pull subscription."""
+        found: list[Any] = [msg for carried in self._carried.values() for msg in carried]
+        self._carried.clear()
         for probe, main in self._subs.values():
             for sub in (probe.sub, getattr(main, "_sub", None)):
                 queue = getattr(sub, "_pending_queue", None)

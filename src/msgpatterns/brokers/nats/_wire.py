@@ -1,5 +1,5 @@
-"""The NATS JetStream wire core shared by the NATS parts (the adapter, its dead-letter
-admin; an asyncio adapter would use it the same way): stream, subject and consumer
+"""The NATS JetStream wire core shared by the NATS parts (the JetStream session both
+adapters run, the dead-letter admin): stream, subject and consumer
 names, and a delivery's headers judged and decoded - deliver it, hand it back until it
 is due, or dead-letter it with the reason. No client library: the adapter gives the
 message's fields (data, headers, the stream's sequence and delivery count, the publish

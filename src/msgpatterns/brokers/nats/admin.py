@@ -4,18 +4,26 @@ Dead letters of every group are messages on the subject ``<topic>.__dlq`` of the
 topic's stream, each carrying the full record. A replay publishes the message to
 ``<topic>.__retry.<group>`` (the group that dead-lettered it) or ``<topic>`` (every
 group) and deletes the dead letter only after the stream confirmed the copy.
+
+The admin works on a sync broker's connection and I/O thread: the broker's own
+(:meth:`NatsJetStreamBroker.dead_letter_admin`), or one it opens on first use and closes
+with :meth:`NatsJetStreamDeadLetters.close` (``NatsJetStreamDeadLetters(**settings)``,
+the admin of the asyncio adapter: nothing connects inside the event loop).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 from nats.js import api as js_api
 
 from msgpatterns.brokers import codec
 from msgpatterns.brokers.admin.base import ScannedDeadLetters
-from msgpatterns.brokers.nats.broker import NatsJetStreamBroker, nats
+from msgpatterns.brokers.nats._session import nats
+from msgpatterns.brokers.nats.broker import NatsJetStreamBroker
 from msgpatterns.deadletter import DeadLetter, body_bytes
 
 __all__ = ["NatsJetStreamDeadLetters"]
@@ -25,8 +33,32 @@ class NatsJetStreamDeadLetters(ScannedDeadLetters):
     """List, replay and purge the dead letters of NATS JetStream topics, on
     ``broker``'s connection and I/O thread."""
 
-    def __init__(self, broker: NatsJetStreamBroker) -> None:
-        self._broker = broker
+    def __init__(self, broker: NatsJetStreamBroker | None = None, /,
+                 **settings: Any) -> None:
+        """On ``broker``'s connection; or, without one, on a
+        :class:`NatsJetStreamBroker` of its own built from ``settings`` (its keyword
+        arguments) on first use and closed by :meth:`close`."""
+        self._given = broker
+        self._settings = settings
+        self._own: NatsJetStreamBroker | None = None
+        self._owning = threading.Lock()
+
+    @property
+    def _broker(self) -> NatsJetStreamBroker:
+        if self._given is not None:
+            return self._given
+        with self._owning:
+            if self._own is None:
+                self._own = NatsJetStreamBroker(**self._settings)
+            return self._own
+
+    def close(self) -> None:
+        """Close the broker this admin opened (none when it runs on a broker's own
+        connection); idempotent."""
+        with self._owning:
+            own, self._own = self._own, None
+        if own is not None:
+            own.close()
 
     def knows(self, topic: str, group: str | None = None) -> bool:
         return self._broker.has_topic(topic)
@@ -82,4 +114,5 @@ class NatsJetStreamDeadLetters(ScannedDeadLetters):
         await self._broker.jetstream.delete_msg(self._broker.stream_name(topic), seq)
 
     def __repr__(self) -> str:
-        return f"NatsJetStreamDeadLetters({self._broker!r})"
+        shown = self._given if self._given is not None else self._own
+        return f"NatsJetStreamDeadLetters({shown!r})"

@@ -25,41 +25,39 @@ Guarantees:
 * After :meth:`close` every operation raises :class:`~msgpatterns.errors.BrokerClosed`
   and the adapter never reconnects; queued acks are flushed to the server first.
 
+* A fetch hands out at most ``max_messages`` deliveries (nats-py's pull fetch can
+  return more: every late answer its subscription holds); the rest go first to the
+  next fetch, or back to the group on :meth:`close`.
+
 nats-py is asyncio-only: the adapter runs one event loop on a private I/O thread and
-every call waits for its result there.
+every call waits for its result there. The I/O itself is the JetStream session
+(:mod:`msgpatterns.brokers.nats._session`) that the asyncio adapter,
+:class:`~msgpatterns.brokers.nats.aio.AsyncNatsJetStreamBroker`, runs on the caller's
+loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import ssl
 import threading
-import time
 import uuid
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from msgpatterns._extras import require
-from msgpatterns._redact import hide_passwords_in
-from msgpatterns.brokers import codec
 from msgpatterns.brokers._adapter import BrokerAdapter, admin_for
-from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers.admin.base import DeadLetterAdmin
-from msgpatterns.brokers.nats import _wire as wire
-from msgpatterns.brokers.nats._acking import ConfirmedAcks
-from msgpatterns.brokers.nats._acks import AckLedger
-from msgpatterns.deadletter import DeadLetter, body_bytes
+from msgpatterns.brokers.nats._connect import tls_settings
+from msgpatterns.brokers.nats._session import JetStreamSession, Receipt
+from msgpatterns.brokers.nats._session import nats as nats
+from msgpatterns.deadletter import DeadLetter
 from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerClosed,
     BrokerError,
-    BrokerUnavailable,
     ConfigurationError,
-    printable,
     seconds,
 )
 from msgpatterns.limits import (
@@ -67,16 +65,6 @@ from msgpatterns.limits import (
     check_max_message_bytes,
 )
 from msgpatterns.message import Message
-
-nats = require("nats", "nats")
-from nats.js import api as js_api  # noqa: E402 - after the extra check
-from nats.js import errors as js_errors  # noqa: E402
-
-from msgpatterns.brokers.nats._connect import (  # noqa: E402
-    open_connection,
-    tls_settings,
-    where,
-)
 
 __all__ = ["NatsJetStreamBroker"]
 
@@ -87,23 +75,7 @@ log = logging.getLogger("msgpatterns.brokers.nats")
 
 T = TypeVar("T")
 
-@dataclass(slots=True)
-class _Probe:
-    """A retry consumer read with ``no_wait`` pulls answered on a private inbox."""
-
-    request: str
-    inbox: str
-    sub: Any
-
-
-@dataclass(slots=True)
-class _Receipt:
-    msg: Any  # nats.aio.msg.Msg
-    topic: str
-    group: str
-
-
-class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
+class NatsJetStreamBroker(JetStreamSession, BrokerAdapter):
     """The :class:`~msgpatterns.brokers.base.Broker` protocol on NATS JetStream.
 
     Args:
@@ -159,56 +131,26 @@ class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
         self._tls = tls_settings(self.servers, tls_context, tls_ca_file)
         self._closed = False
         self._lock = threading.Lock()
-        self._streams: set[str] = set()
-        self._subs: dict[tuple[str, str], Any] = {}
         self._pending: set[concurrent.futures.Future[Any]] = set()
-        self._acks = AckLedger()  # acks the server has not confirmed yet (I/O loop only)
-        self._confirming: asyncio.Task[None] | None = None
-        self._echo: Any = None  # the subscription that confirms them (made on first use)
-        # deliveries handed out and not settled yet (I/O loop only): close() hands them
-        # back at once, instead of leaving them to ack_wait
-        self._outstanding: dict[str, Any] = {}
-        self._fetches = 0  # fetches running on the I/O loop
-        self._fetches_done = asyncio.Event()
-        self._echo_token = 0
+        self._start_session()  # its state is used on the I/O loop only
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"{self.name}-io", daemon=True
         )
         self._thread.start()
         try:
-            self._nc = self._run(self._connect(connect_timeout), connect_timeout + 5)
+            self._nc = self._run(self._open(connect_timeout), connect_timeout + 5)
         except BaseException:
             self._stop_loop()
             raise
         self._js = self._nc.jetstream()
 
-    # -- names ------------------------------------------------------------------------
-
-    @staticmethod
-    def stream_name(topic: str) -> str:
-        """The JetStream stream that holds ``topic``, its retries and dead letters."""
-        return wire.stream_name(topic)
-
-    @staticmethod
-    def retry_subject(topic: str, group: str) -> str:
-        """The subject of ``group``'s redeliveries of ``topic``."""
-        return wire.retry_subject(topic, group)
-
-    @staticmethod
-    def dead_letter_subject(topic: str) -> str:
-        """The subject of ``topic``'s dead letters."""
-        return wire.dead_letter_subject(topic)
-
     # -- Broker protocol ----------------------------------------------------------------
 
     def _publish(self, topic: str, payload: bytes, key: str | None,
-                     headers: Mapping[str, str]) -> str:
+                 headers: Mapping[str, str]) -> str:
         """Publish to ``topic`` (confirmed by the server)."""
-        message_id = uuid.uuid4().hex
-        wire = codec.wire_headers(headers, message_id=message_id, key=key)
-        self._run(self._send(topic, topic, payload, wire, message_id))
-        return message_id
+        return self._run(self._publish_one(topic, payload, key, headers))
 
     @property
     def closed(self) -> bool:
@@ -223,19 +165,8 @@ class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
         not, :class:`~msgpatterns.brokers.PartialPublish` says which were (those are
         stored; the others may or may not be). Each carries its id as ``Nats-Msg-Id``,
         so re-publishing within the stream's duplicate window stores it once."""
-        batch = []
-        for item in outgoing(items):
-            message_id = uuid.uuid4().hex
-            batch.append((message_id, body_bytes(item.body),
-                          codec.wire_headers(item.headers, message_id=message_id,
-                                             key=item.key)))
-        results = self._run(self._publish_all(topic, batch))
-        ids = [mid if ok is None else None for (mid, _, _), ok in zip(batch, results,
-                                                                      strict=True)]
-        errors = [e for e in results if e is not None]
-        if errors:
-            raise failed(topic, ids, errors[0]) from errors[0]
-        return [mid for mid, _, _ in batch]
+        batch = self._batch(items)
+        return self._batch_ids(topic, batch, self._run(self._publish_all(topic, batch)))
 
     def subscribe(self, topic: str, group: str) -> None:
         """Create ``group``'s consumers on ``topic`` now (a fetch does it otherwise)."""
@@ -253,21 +184,20 @@ class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
         server confirms it (an echo queued behind it came back on the same connection),
         it is kept and sent again after a reconnect: an ack written as the connection
         died is not lost with it. :meth:`close` waits for the confirmations (10 s)."""
-        r = receipt_of(message, _Receipt, _OWNER)
+        r = receipt_of(message, Receipt, _OWNER)
         self._submit(self._ack(r.msg))
 
     def nack(self, message: Message, delay: float = 0.0) -> None:
         """Redeliver after ``delay`` seconds, to this group only, with ``attempt + 1``,
         the original payload and the message's headers as they are now."""
-        self._redeliver(message, delay, None)
+        r = receipt_of(message, Receipt, _OWNER)
+        self._run(self._retry_copy(message, r, delay, None))
+        self._submit(self._ack(r.msg))
 
     def dead_letter(self, message: Message, record: DeadLetter) -> None:
         """Publish the record to ``T.__dlq`` (confirmed), then ack the delivery."""
-        r = receipt_of(message, _Receipt, _OWNER)
-        self._run(self._send(
-            r.topic, self.dead_letter_subject(r.topic), codec.dead_letter_body(record),
-            codec.dead_letter_headers(record), None,
-        ))
+        r = receipt_of(message, Receipt, _OWNER)
+        self._run(self._dead_letter_copy(r, record))
         self._submit(self._ack(r.msg))
 
     def close(self) -> None:
@@ -284,6 +214,10 @@ class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
             raise BrokerError(f"closing {self!r} failed: {exc}") from exc
         finally:
             self._stop_loop()
+
+    def has_topic(self, topic: str) -> bool:
+        """True when ``topic``'s stream exists (asking never creates it)."""
+        return self._run(self._existing(topic)) is not None
 
     # -- dead-letter admin ----------------------------------------------------------------
 
@@ -330,19 +264,9 @@ class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
             return future.result(timeout)
         except BrokerError:
             raise
-        except (nats.errors.NoServersError, nats.errors.ConnectionClosedError,
-                nats.errors.TimeoutError, OSError) as exc:
+        except (nats.errors.Error, OSError) as exc:
             future.cancel()  # a call that outlived its wait leaves nothing running
-            if self._closed:
-                raise BrokerClosed(f"{self!r} is closed") from exc
-            raise BrokerUnavailable(self._shown(
-                f"NATS at {self._where()} unavailable: {exc!r}")) from exc
-        except nats.errors.Error as exc:
-            raise BrokerError(self._shown(f"NATS operation failed: {exc!r}")) from exc
-
-    def _shown(self, text: str) -> str:
-        """``text`` (which may quote a client error) without the URLs' passwords."""
-        return hide_passwords_in(text, self.servers)
+            raise self._failure(exc) from exc
 
     def _submit(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Start ``coro`` on the I/O loop without waiting (its failure is logged)."""
@@ -367,236 +291,11 @@ class NatsJetStreamBroker(ConfirmedAcks, BrokerAdapter):
         if not self._thread.is_alive():
             self._loop.close()
 
-    async def _connect(self, timeout: float) -> Any:
-        return await open_connection(
-            self.servers, name=self.name, timeout=timeout, tls=self._tls,
-            on_error=self._on_error, on_disconnect=self._on_disconnect)
-
-    async def _on_error(self, error: Exception) -> None:
-        log.warning("%s: NATS connection error: %s", self.name,
-                    hide_passwords_in(repr(error), self.servers))
-
-    async def _on_disconnect(self) -> None:
-        if not self._closed:
-            log.warning("%s: disconnected from NATS; reconnecting", self.name)
-
     async def _shutdown(self) -> None:
         pending = [asyncio.wrap_future(f) for f in list(self._pending)]
         if pending:
             await asyncio.wait(pending, timeout=5)
-        await self._hand_back_outstanding()
-        confirming = self._confirming
-        if confirming is not None and not confirming.done():
-            await asyncio.wait([confirming], timeout=10)
-            if not confirming.done():
-                confirming.cancel()
-                log.warning("%s: %d acks not confirmed by the server at close(); those "
-                            "deliveries may come back after ack_wait", self.name,
-                            len(self._acks))
-        if not self._nc.is_closed:
-            await self._nc.flush(timeout=5)
-            await self._nc.close()
-
-    # -- internals (on the I/O loop) ------------------------------------------------------
-
-    async def _stream(self, topic: str) -> str:
-        if not wire.SUBJECT.match(topic) or ".__" in topic:
-            raise ConfigurationError(
-                f"topic {topic!r} is not a plain NATS subject (tokens of letters, digits, "
-                "'-' and '_' separated by dots, no wildcards, no '.__' part)"
-            )
-        name = self.stream_name(topic)
-        if name in self._streams:
-            return name
-        subjects = [topic, f"{topic}.__retry.*", self.dead_letter_subject(topic)]
-        config = js_api.StreamConfig(
-            name=name, subjects=subjects, num_replicas=self.replicas,
-            max_age=self.max_age, storage=js_api.StorageType.FILE,
-        )
-        try:
-            await self._js.add_stream(config)
-        except js_errors.BadRequestError as exc:
-            # Exists with another config: keep it, as long as it holds our subjects.
-            info = await self._js.stream_info(name)
-            missing = set(subjects) - set(info.config.subjects or [])
-            if missing:
-                raise BrokerError(
-                    f"stream {name} exists without subjects {sorted(missing)}"
-                ) from exc
-        self._streams.add(name)
-        return name
-
-    async def _subscriptions(self, topic: str, group: str) -> tuple[Any, Any]:
-        slot = (topic, group)
-        subs = self._subs.get(slot)
-        if subs is None:
-            stream = await self._stream(topic)
-            durable = wire.safe_name(group)
-            main = await self._js.pull_subscribe(
-                topic, durable=durable, stream=stream, config=self._consumer_config(topic),
-            )
-            retry_subject = self.retry_subject(topic, group)
-            retry_durable = f"{durable}__retry"
-            await self._js.add_consumer(stream, self._consumer_config(retry_subject),
-                                        durable_name=retry_durable)
-            inbox = self._nc.new_inbox()
-            probe = _Probe(
-                request=f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{retry_durable}",
-                inbox=inbox, sub=await self._nc.subscribe(inbox),
-            )
-            subs = self._subs[slot] = (probe, main)
-        return subs
-
-    def _consumer_config(self, subject: str) -> Any:
-        return js_api.ConsumerConfig(
-            filter_subject=subject,
-            ack_policy=js_api.AckPolicy.EXPLICIT,
-            deliver_policy=js_api.DeliverPolicy.ALL,
-            ack_wait=self.visibility_timeout, max_deliver=-1, max_ack_pending=-1,
-        )
-
-    async def _probe(self, probe: _Probe, limit: int) -> list[Any]:
-        """What the retry consumer has ready now, without waiting: a ``no_wait`` pull
-        (no expiry), answered at once with the messages or a 404/408 status."""
-        request = json.dumps({"batch": limit, "no_wait": True}).encode()
-        await self._nc.publish(probe.request, request, reply=probe.inbox)
-        msgs: list[Any] = []
-        while len(msgs) < limit:
-            try:
-                msg = await probe.sub.next_msg(timeout=5)
-            except (TimeoutError, nats.errors.TimeoutError):
-                break  # a late answer waits in the inbox for the next probe
-            if msg.headers and msg.headers.get("Status"):
-                break  # 404 no messages / 408 request expired: the request is over
-            msgs.append(msg)
-        return msgs
-
-    async def _fetch(self, topics: list[str], group: str, limit: int,
-                     timeout: float) -> list[Message]:
-        if self._closed:  # close() began after this fetch was sent: it reads nothing
-            raise BrokerClosed(f"{self!r} is closed")
-        self._fetches += 1
-        self._fetches_done.clear()
-        try:
-            return await self._fetch_from(topics, group, limit, timeout)
-        finally:
-            self._fetches -= 1
-            if not self._fetches:
-                self._fetches_done.set()
-
-    async def _fetch_from(self, topics: list[str], group: str, limit: int,
-                          timeout: float) -> list[Message]:
-        out: list[Message] = []
-        subs = [(topic, await self._subscriptions(topic, group)) for topic in topics]
-        # Due retries first, without waiting; then new messages.
-        for topic, (probe, _) in subs:
-            if len(out) < limit:
-                out.extend(await self._messages(
-                    await self._probe(probe, limit - len(out)), topic, group))
-        give_up = time.monotonic() + max(timeout, 0.01)
-        for topic, (_, main) in subs:
-            if len(out) >= limit:
-                break
-            # Wait only while nothing was found; then just take what is there.
-            wait = 0.01 if out else max(0.01, give_up - time.monotonic())
-            try:
-                msgs = await main.fetch(limit - len(out), timeout=wait)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            out.extend(await self._messages(msgs, topic, group))
-        return out
-
-    async def _messages(self, msgs: list[Any], topic: str, group: str) -> list[Message]:
-        out = []
-        for msg in msgs:
-            message = await self._message(msg, topic, group)
-            if message is not None:
-                out.append(message)
-        return out
-
-    async def _message(self, msg: Any, topic: str, group: str) -> Message | None:
-        """The Message for ``msg``; None when it was handed back (not due yet) or
-        dead-lettered (unreadable)."""
-        meta = msg.metadata
-        stream_seq = meta.sequence.stream
-        verdict = wire.judge(
-            msg.data, msg.headers, topic=topic, stream=meta.stream, sequence=stream_seq,
-            deliveries=meta.num_delivered, now=time.time(), limit=self.max_message_bytes,
-            published=meta.timestamp.timestamp() if meta.timestamp is not None else None,
-            bounds=self.wire_bounds(group))
-        if verdict.problem is not None:  # dead-lettered: this one only
-            await self._bury_malformed(msg, topic, group, f"{meta.stream}:{stream_seq}",
-                                       verdict.problem, too_large=verdict.too_large)
-            return None
-        if verdict.wait is not None:
-            await msg.nak(delay=verdict.wait)  # the server brings it back when due
-            return None
-        message = verdict.message
-        assert message is not None
-        message.receipt = _Receipt(msg, topic, group)
-        self._outstanding[msg.reply] = msg
-        return message
-
-    async def _bury_malformed(self, msg: Any, topic: str, group: str, fallback_id: str,
-                              problem: str, *, too_large: bool = False) -> None:
-        """Dead-letter one delivery whose library headers are unusable, or that is over
-        ``max_message_bytes`` (``too_large``; ``problem`` says why), keeping its body
-        and its user headers; then ack it."""
-        record = wire.malformed_letter(
-            msg.data, msg.headers, topic=topic, group=group, fallback_id=fallback_id,
-            sequence=msg.metadata.sequence.stream, problem=problem, too_large=too_large,
-            now=time.time())
-        log.error("%s: dead-lettering %r of %s: %s", self.name, record.message.id, topic,
-                  printable(problem))
-        await self._send(topic, self.dead_letter_subject(topic),
-                         codec.dead_letter_body(record), codec.dead_letter_headers(record),
-                         None)
-        await self._ack(msg)
-
-    def _redeliver(self, message: Message, delay: float, attempt: int | None) -> None:
-        r = receipt_of(message, _Receipt, _OWNER)
-        due = time.time() + delay if delay > 0 else None
-        wire = codec.redelivery_headers(message, group=r.group, due_at=due, attempt=attempt,
-                                        parked=due is not None)
-        self._run(self._send(r.topic, self.retry_subject(r.topic, r.group),
-                                body_bytes(message.raw_body), wire, None))
-        self._submit(self._ack(r.msg))
-
-    async def _send(self, topic: str, subject: str, payload: bytes,
-                       headers: Mapping[str, str], dedup_id: str | None) -> None:
-        stream = await self._stream(topic)
-        wire = dict(headers)
-        if dedup_id is not None:
-            wire["Nats-Msg-Id"] = dedup_id
-        await self._js.publish(subject, payload, stream=stream, headers=wire)
-
-    def has_topic(self, topic: str) -> bool:
-        """True when ``topic``'s stream exists (asking never creates it)."""
-        return self._run(self._existing(topic)) is not None
-
-    async def _existing(self, topic: str) -> str | None:
-        name = self.stream_name(topic)
-        if name in self._streams:
-            return name
-        try:
-            await self._js.stream_info(name)
-        except js_errors.NotFoundError:
-            return None
-        return name
-
-    async def _publish_all(self, topic: str, batch: Sequence[tuple[str, bytes,
-                           Mapping[str, str]]]) -> list[BaseException | None]:
-        """Publish every message, then await the PubAcks together: each one's failure,
-        or None once the stream stored it."""
-        await self._stream(topic)
-        outcomes = await asyncio.gather(
-            *(self._send(topic, topic, payload, wire, message_id)
-              for message_id, payload, wire in batch),
-            return_exceptions=True)
-        return [o if isinstance(o, BaseException) else None for o in outcomes]
-
-    def _where(self) -> str:
-        return where(self.servers)
+        await self._close_session()
 
     def __repr__(self) -> str:
         return f"NatsJetStreamBroker({self._where()!r}, name={self.name!r})"

@@ -47,7 +47,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -57,6 +57,7 @@ from msgpatterns._extras import require
 from msgpatterns.brokers import codec
 from msgpatterns.brokers._adapter import admin_for
 from msgpatterns.brokers._aio_adapter import AsyncBrokerAdapter
+from msgpatterns.brokers._batch import failed, outgoing
 from msgpatterns.brokers._reconnect import RECONNECT_BACKOFF
 from msgpatterns.brokers.admin.base import DeadLetterAdmin
 from msgpatterns.brokers.rabbitmq._amqp_link import AmqpLink
@@ -72,7 +73,7 @@ from msgpatterns.brokers.rabbitmq._wire import (
     retry_queue_name,
     take_round_robin,
 )
-from msgpatterns.deadletter import DeadLetter
+from msgpatterns.deadletter import DeadLetter, body_bytes
 from msgpatterns.delivery import receipt_of
 from msgpatterns.errors import (
     BrokerError,
@@ -91,6 +92,7 @@ from msgpatterns.limits import (
 from msgpatterns.message import Message
 
 aio_pika = require("aio_pika", "rabbitmq")
+import aiormq  # noqa: E402 - aio-pika's own transport, after the extra check
 
 __all__ = ["AsyncRabbitMQBroker"]
 
@@ -209,6 +211,54 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
         await self._send(exchange, topic, _amqp_message(payload, props),
                          what=f"exchange {self.exchange_name(topic)!r}")
         return message_id
+
+    async def publish_many(self, topic: str, items: Iterable[Any]) -> list[str]:
+        """Publish ``items`` (bodies, or :class:`~msgpatterns.brokers.Outgoing` with key
+        and headers) to the topic's exchange, all written before any confirm is awaited
+        (batched publisher confirms: one wait for the batch, not one per message);
+        returns the message ids in order, as :meth:`publish` would.
+
+        The same semantics as the sync ``RabbitMQBroker.publish_many``: not atomic (the
+        server confirms each message on its own); if any is nacked or returned as
+        unroutable (no queue bound), :class:`~msgpatterns.brokers.PartialPublish` says
+        which were confirmed (those are queued; the others may or may not be). A batch
+        to an exchange that does not exist sends nothing (its ``__cause__`` is an
+        :class:`~msgpatterns.errors.UnroutableError`). Never retried as a whole (that
+        would duplicate the confirmed ones)."""
+        self._check_open()
+        batch = []
+        for item in outgoing(items):
+            message_id = uuid.uuid4().hex
+            batch.append((message_id, body_bytes(item.body), message_properties(
+                message_id, codec.wire_headers(item.headers, key=item.key))))
+        if not batch:
+            return []
+        name = self.exchange_name(topic)
+        try:
+            side = await self._side_channel()
+            raw = await side.get_underlay_channel()
+        except BrokerError as exc:
+            raise failed(topic, [None] * len(batch), exc) from exc
+
+        async def send(payload: bytes, props: dict[str, Any]) -> None:
+            message = _amqp_message(payload, props)
+            # wait=False: queued for the writer without waiting for it to drain, so
+            # the whole batch is written before the first confirm comes back
+            await self._confirmed(raw.basic_publish(
+                message.body, exchange=name, routing_key=topic,
+                properties=message.properties, mandatory=True, wait=False),
+                what=f"exchange {name!r}")
+
+        # aiormq queues publishes under a FIFO lock in the order they start: the
+        # batch's order (a key's order) is kept on the wire
+        outcomes = await asyncio.gather(*(send(payload, props) for _, payload, props in batch),
+                                        return_exceptions=True)
+        ids = [mid if outcome is None else None
+               for (mid, _, _), outcome in zip(batch, outcomes, strict=True)]
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:
+            raise failed(topic, ids, errors[0]) from errors[0]
+        return [mid for mid, _, _ in batch]
 
     async def subscribe(self, topic: str, group: str) -> None:
         """Declare the topic's exchange and ``group``'s queue and binding now."""
@@ -447,10 +497,15 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
 
     async def _send(self, exchange: Any, routing_key: str, message: Any, *,
                     what: str) -> None:
-        """Publish (mandatory) and wait for the confirm; unroutable raises
-        UnroutableError, any other failure BrokerError."""
+        """Publish (mandatory) and wait for the confirm; unroutable (nacked, or returned:
+        no queue bound) raises UnroutableError, any other failure BrokerError."""
+        await self._confirmed(exchange.publish(message, routing_key, mandatory=True),
+                              what=what)
+
+    async def _confirmed(self, publishing: Awaitable[Any], *, what: str) -> None:
+        """Await a publish until its confirm: :meth:`_send`'s outcomes."""
         try:
-            await exchange.publish(message, routing_key, mandatory=True)
+            result = await publishing
         except aio_pika.exceptions.DeliveryError as exc:
             raise UnroutableError(f"{self.name}: nothing would keep a message sent to "
                                   f"{what} (no queue bound); nothing was sent") from exc
@@ -462,6 +517,9 @@ class AsyncRabbitMQBroker(AsyncBrokerAdapter):
             self._side = None
             raise BrokerError(f"{self.name}: publish to {what} failed: {describe(exc)}"
                               ) from exc
+        if isinstance(result, aiormq.abc.DeliveredMessage):  # a basic.return
+            raise UnroutableError(f"{self.name}: nothing would keep a message sent to "
+                                  f"{what} (no queue bound); it was returned")
 
     async def _declare_group(self, topic: str, group: str) -> str:
         side = await self._side_channel()
