@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from claim_drivers import AsyncRunning, Loop, Running, SyncRunning, Until
 from msgpatterns import Consumer, Message, RetryPolicy, idempotent
 from msgpatterns.aio import AsyncConsumer
 from msgpatterns.aio.ordered_topic import topic_consumer
@@ -33,6 +32,7 @@ from msgpatterns.idempotency import MemoryChecker
 from msgpatterns.ordering import OrderedTopic, RouteStore
 from msgpatterns.ordering.topic_feed import TopicFeed
 from msgpatterns.retry import Backoff
+from two_drivers import AsyncRunning, Loop, Running, SyncRunning, Until
 
 SEEN_TIMEOUT = 120
 #: Seconds an @idempotent claim of a crashed consumer blocks its key.
@@ -279,7 +279,7 @@ class TopicDriver:
     """``OrderedTopic.consumer`` or ``OrderedTopic.async_consumer`` behind one face (the
     async one on an event loop thread of this driver's own), so that a test body runs
     on both. A handler body is a plain function of the message; where it must wait it
-    returns a generator of :class:`claim_drivers.Until` steps (blocked on by the sync
+    returns a generator of :class:`two_drivers.Until` steps (blocked on by the sync
     driver, awaited by the async one)."""
 
     def __init__(self, name: str) -> None:

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ordered_topic_runner as runner
-from claim_drivers import Until
 from msgpatterns import Message
 from msgpatterns.brokers import InMemoryBroker
 from msgpatterns.ordering import MemoryRouteStore, OrderedTopic, RouteStore
@@ -29,6 +28,7 @@ from ordered_topic_runner import (
     assert_never_out_of_order_nor_doubled,
     assert_ordered_exactly_once,
 )
+from two_drivers import Until
 
 DRIVERS = ["sync", "async"]
 
