@@ -158,6 +158,7 @@ class TopicFeed:
                                          self.lease_ttl):
                     self.stats.leases_lost += 1
                     log.warning("lease of %s partition %d lost", name, physical)
+                    self._hand_back_unfetched([physical])
                     del self._held[physical]
             self._release_done()
             leases = self._store.leases(name, group, now)
@@ -181,8 +182,7 @@ class TopicFeed:
                     break
                 held = self._held[physical]
                 if not held.outstanding and not held.retrying and held.command is None:
-                    self._store.release(name, group, physical, self.owner)
-                    del self._held[physical]
+                    self._give_up(physical)
             self._refreshed_at = time.monotonic()
 
     def _to_consume(self) -> set[int]:
@@ -205,8 +205,20 @@ class TopicFeed:
             held = self._held[physical]
             if (held.recorded_at is not None and not held.outstanding and not held.retrying
                     and now - held.recorded_at >= self.topic.fence):
-                self._store.release(self.topic.name, self.group, physical, self.owner)
-                del self._held[physical]
+                self._give_up(physical)
+
+    def _give_up(self, physical: int) -> None:
+        """Lock held: hand ``physical`` back. What the broker below read ahead of this
+        partition (and no fetch took) is handed back first, so the next owner gets
+        those messages before the later ones it reads itself."""
+        self._hand_back_unfetched([physical])
+        self._store.release(self.topic.name, self.group, physical, self.owner)
+        del self._held[physical]
+
+    def _hand_back_unfetched(self, partitions: list[int]) -> None:
+        hand_back = getattr(self._inner, "hand_back_unfetched", None)
+        if hand_back is not None and partitions:
+            hand_back([self.topic.partition_topic(p) for p in partitions], self.group)
 
     # -- Broker protocol ------------------------------------------------------------
 
@@ -364,6 +376,7 @@ class TopicFeed:
             if self._closed:
                 return
             self._closed = True
+            self._hand_back_unfetched(list(self._held))
             for physical in list(self._held):
                 self._store.release(self.topic.name, self.group, physical, self.owner)
             self._held.clear()

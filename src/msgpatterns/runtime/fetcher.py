@@ -39,6 +39,13 @@ __all__ = ["Fetcher"]
 class Fetcher:
     """Fetching, flow control and the ready queue of one thread-driven consumer."""
 
+    #: Ordered mode refills a full window a batch at a time (:meth:`_refill_later`);
+    #: False: the plain twin, one fetch as soon as a slot is free.
+    batch_refill = True
+    #: The ordered consumer's lanes (its ``workers``): below that many messages
+    #: running or ready, the pump refills without waiting for a batch.
+    lanes = 1
+
     def __init__(self, *, broker: Any, topics: list[str], group: str, max_in_flight: int,
                  fetch_batch: int, poll_timeout: float, stats: ConsumerStats,
                  settler: Settler, reporter: Reporter, stop_requested: threading.Event,
@@ -128,6 +135,9 @@ class Fetcher:
                     if self.fetching:
                         self.wait(self.poll_timeout, for_fetch=True)
                         continue
+                    if free > 0 and self._refill_later(free):
+                        self.wait(self.poll_timeout)  # a settlement wakes it
+                        continue
                     if free <= 0:
                         # Full: only a retry coming due can free a slot.
                         if not (self.until_idle and self.slots.nothing_active()
@@ -169,6 +179,27 @@ class Fetcher:
                     else:
                         self._finish_idle()
                         return None
+
+    def _refill_later(self, free: int) -> bool:
+        """Lock held, ``free`` slots: True when the ordered pump should wait for more
+        settlements before it fetches (batch refill). A full window that frees one
+        slot per settlement would otherwise be refilled one message per fetch (one
+        broker round trip, one feed pass, per message): the pump waits until a batch
+        of slots is free - ``min(fetch_batch, max_in_flight // 2)`` - unless the work
+        it holds runs low (fewer messages running or ready than ``lanes``: the others
+        are parked behind their keys or wait for a retry), so a slow key with its
+        backlog parked behind it does not hold back the other keys' messages. Only in
+        ordered mode (a key gate); ``batch_refill = False`` is the plain twin (refill
+        as soon as a slot is free), kept for the differential test. Fetch order, and so
+        each key's order, is the same on both."""
+        if not self.batch_refill or self.slots.gate is None:
+            return False
+        batch = min(self.fetch_batch, max(1, self.max_in_flight // 2))
+        if free >= batch:
+            return False
+        slots = self.slots
+        parked = slots.gate.parked if slots.gate is not None else 0
+        return len(slots) - parked - len(slots.scheduler) >= self.lanes
 
     def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
