@@ -278,6 +278,39 @@ def test_batch_refill_takes_a_batch_per_fetch(refill_mode: None) -> None:
     assert batch * 2 <= plain or batch <= 10, (batch, plain)
 
 
+def acked_with_lagging_acks(batch_refill: bool, total: int) -> int:
+    """Messages acked when the handler acks each message only once it has seen five
+    later ones (in a window of eight, batches of four)."""
+    Fetcher.batch_refill = batch_refill
+    broker = InMemoryBroker()
+    for i in range(total):
+        broker.publish("orders", str(i).encode(), key=f"k{i}")
+    waiting: list[Message] = []
+    lock = threading.Lock()
+
+    def lagging(message: Message) -> None:
+        message.disable_auto_ack()
+        with lock:
+            waiting.append(message)
+            due = waiting[:-5] if int(message.raw_body) < total - 1 else waiting[:]
+            del waiting[:len(due)]
+        for each in due:
+            each.ack()
+
+    consumer = Consumer(broker, lagging, topics=["orders"], group="g", ordered=True,
+                        max_in_flight=8, fetch_batch=8, poll_timeout=0.05)
+    return consumer.run_until_idle(timeout=60).acked
+
+
+def test_batch_refill_never_puts_a_fetch_off_longer_than_poll_timeout(
+        refill_mode: None) -> None:
+    """Five messages stay active in a window of eight: fewer free slots than a batch
+    would ever come, and only a fetch frees more. The batch refill fetches anyway
+    after ``poll_timeout``, like its twin at once."""
+    assert acked_with_lagging_acks(True, 30) == 30
+    assert acked_with_lagging_acks(False, 30) == 30
+
+
 # -- real Redis, an OrderedTopic split part-way -------------------------------------------
 
 

@@ -309,7 +309,9 @@ class TopicFeed:
             now = self._now()
             ends = [h.command_at + self.topic.fence - now for h in self._held.values()
                     if h.command is not None and h.recorded_at is None]
-        return max(0.0, min(ends)) if ends else float("inf")
+        # A fence that ended already waits for settlements, which record it: no spin.
+        ends = [end for end in ends if end > 0]
+        return min(ends) if ends else float("inf")
 
     def _refuse(self, message: Message) -> None:
         from msgpatterns.ordering.errors import UnroutedMessage

@@ -67,6 +67,8 @@ class Fetcher:
         #: Messages to run (and, for batch claims, claimed messages to run). Never
         #: replaced (workers keep its popleft), only cleared.
         self.ready: deque[Message | Claimed] = deque()
+        #: When the batch refill first put off a fetch (monotonic), None: it did not.
+        self._put_off: float | None = None
         self.state = State.NEW
         self.until_idle = False
         self.fetching = False
@@ -138,6 +140,7 @@ class Fetcher:
                     if free > 0 and self._refill_later(free):
                         self.wait(self.poll_timeout)  # a settlement wakes it
                         continue
+                    self._put_off = None
                     if free <= 0:
                         # Full: only a retry coming due can free a slot.
                         if not (self.until_idle and self.slots.nothing_active()
@@ -188,18 +191,24 @@ class Fetcher:
         of slots is free - ``min(fetch_batch, max_in_flight // 2)`` - unless the work
         it holds runs low (fewer messages running or ready than ``lanes``: the others
         are parked behind their keys or wait for a retry), so a slow key with its
-        backlog parked behind it does not hold back the other keys' messages. Only in
-        ordered mode (a key gate); ``batch_refill = False`` is the plain twin (refill
-        as soon as a slot is free), kept for the differential test. Fetch order, and so
-        each key's order, is the same on both."""
-        if not self.batch_refill or self.slots.gate is None:
-            return False
-        batch = min(self.fetch_batch, max(1, self.max_in_flight // 2))
-        if free >= batch:
-            return False
+        backlog parked behind it does not hold back the other keys' messages; and
+        never longer than ``poll_timeout`` in all (a handler that acks only once it
+        has seen more messages still gets them). Only in ordered mode (a key gate);
+        ``batch_refill = False`` is the plain twin (refill as soon as a slot is free),
+        kept for the differential test. Fetch order, and so each key's order, is the
+        same on both."""
         slots = self.slots
-        parked = slots.gate.parked if slots.gate is not None else 0
-        return len(slots) - parked - len(slots.scheduler) >= self.lanes
+        gate = slots.gate
+        if not self.batch_refill or gate is None:
+            return False
+        if free >= min(self.fetch_batch, max(1, self.max_in_flight // 2)):
+            return False
+        if len(slots) - gate.parked - len(slots.scheduler) < self.lanes:
+            return False
+        now = time.monotonic()
+        if self._put_off is None:
+            self._put_off = now
+        return now - self._put_off < self.poll_timeout
 
     def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:
