@@ -6,13 +6,16 @@ On Redis Streams with a RedisRouteStore (real Redis; unique names, removed at th
    process, ``ordered=True``) over an ordered topic of 4 physical partitions, with 1,
    2 and 4 consumer *processes* (each leases its fair share of the partitions).
    Baseline: 1 process, same run. Goals: 2 processes >= 1.8x, 4 processes >= 3.2x.
-   Beside: the consumer processes' CPU per message (all their threads).
+   Beside: the consumer processes' CPU per message (all their threads) and messages
+   per fetch. Run for both refill modes of the ordered pump, interleaved: the batch
+   refill (the default) and its plain twin (``Fetcher.batch_refill = False``: one
+   fetch as soon as a slot is free).
 2. A split under load: 2 consumer processes, a publisher at a steady rate over many
    keys, partition 1 split in the middle of it. The latency (handled - published) of
    the messages of the split partition's keys published around the split, against
    those of the other keys. Goals: p99 of the affected keys <= 1 s; the other keys'
    p99 no more than 0.1 s above their p99 before the split (no pause). Run with the
-   topic's defaults (``fence=1.0``, ``route_cache=0.25``, feed ``refresh=0.5``), with
+   topic's defaults (``fence=0.8``, ``route_cache=0.05``, feed ``refresh=0.5``), with
    ``fence=0.5, refresh=0.25``, and with ``fence=0.2, route_cache=0.05, refresh=0.1``.
 3. Router cost per publish: ``OrderedTopic.publish`` vs the broker's own ``publish``
    of the same body and key, on InMemoryBroker and on Redis. Goal: <= 10 us more per
@@ -53,7 +56,9 @@ def consumer_process(cfg: dict[str, Any], index: int) -> None:
     from msgpatterns.brokers.redis_streams import RedisStreamsBroker
     from msgpatterns.ordering import OrderedTopic, RedisRouteStore
     from msgpatterns.ordering.topic_feed import TopicFeed
+    from msgpatterns.runtime.fetcher import Fetcher
 
+    Fetcher.batch_refill = cfg["batch_refill"]
     client = redis.Redis.from_url(cfg["url"])
     broker = RedisStreamsBroker(cfg["url"], visibility_timeout=120)
     store = RedisRouteStore(cfg["url"], prefix=cfg["prefix"])
@@ -63,6 +68,15 @@ def consumer_process(cfg: dict[str, Any], index: int) -> None:
                      refresh=cfg["refresh"])
     keys = {k: f"{cfg['name']}:{k}" for k in ("ready", "go", "stop", "count", "results")}
     count = [0]
+    fetches = [0]
+    feed_fetch = feed.fetch
+
+    def counted_fetch(*args: Any, **kwargs: Any) -> Any:
+        got = feed_fetch(*args, **kwargs)
+        fetches[0] += bool(got)
+        return got
+
+    feed.fetch = counted_fetch  # type: ignore[method-assign]
     handled: list[tuple[str, float, float]] = []
     record = cfg["record"]
 
@@ -96,7 +110,7 @@ def consumer_process(cfg: dict[str, Any], index: int) -> None:
     cpu = time.process_time() - cpu
     client.incrby(keys["count"], count[0] - reported)
     client.rpush(keys["results"], json.dumps({"cpu": cpu, "handled": count[0],
-                                              "records": handled}))
+                                              "fetches": fetches[0], "records": handled}))
     feed.close()
     broker.close()
     store.close()
@@ -107,7 +121,8 @@ class Run:
     """One topic, its consumer processes and the Redis keys that drive them."""
 
     def __init__(self, url: str, processes: int, partitions: int, *, record: bool = False,
-                 route_cache: float = 0.25, fence: float = 1.0, refresh: float = 0.5) -> None:
+                 route_cache: float = 0.05, fence: float = 0.8, refresh: float = 0.5,
+                 batch_refill: bool = True) -> None:
         import redis
 
         from msgpatterns.brokers.redis_streams import RedisStreamsBroker
@@ -117,7 +132,8 @@ class Run:
         self.cfg = {"url": url, "name": self.name, "prefix": f"{self.name}-routes",
                     "group": "g", "processes": processes,
                     "share": -(-partitions // processes), "record": record,
-                    "route_cache": route_cache, "fence": fence, "refresh": refresh}
+                    "route_cache": route_cache, "fence": fence, "refresh": refresh,
+                    "batch_refill": batch_refill}
         self.client = redis.Redis.from_url(url)
         self.broker = RedisStreamsBroker(url)
         self.store = RedisRouteStore(url, prefix=self.cfg["prefix"])
@@ -177,9 +193,10 @@ class Run:
 # -- 1. throughput with 1, 2, 4 processes ----------------------------------------------
 
 
-def throughput(url: str, processes: int, messages: int) -> tuple[float, float]:
-    """(messages/s, consumer CPU microseconds per message)."""
-    run = Run(url, processes, PARTITIONS)
+def throughput(url: str, processes: int, messages: int,
+               batch_refill: bool) -> tuple[float, float, float]:
+    """(messages/s, consumer CPU microseconds per message, messages per fetch)."""
+    run = Run(url, processes, PARTITIONS, batch_refill=batch_refill)
     try:
         run.topic.publish_many((f"key-{i % 997}", b"1") for i in range(messages))
         run.start()
@@ -188,30 +205,49 @@ def throughput(url: str, processes: int, messages: int) -> tuple[float, float]:
         results = run.stop()
         cpu = sum(r["cpu"] for r in results)
         assert sum(r["handled"] for r in results) == messages, results
-        return messages / (ended - began), cpu / messages * 1e6
+        per_fetch = messages / max(1, sum(r["fetches"] for r in results))
+        return messages / (ended - began), cpu / messages * 1e6, per_fetch
     finally:
         run.cleanup()
 
 
+MODES = (("batch refill", True), ("plain twin", False))
+
+
 def bench_scaling(url: str, messages: int, repeats: int) -> None:
-    """The best of ``repeats`` rounds per process count, the rounds interleaved (1, 2,
-    4, 1, 2, 4, ...) so that each count sees the same range of machine load."""
-    rates: dict[int, tuple[float, float]] = {}
+    """The best of ``repeats`` rounds per refill mode and process count, the rounds
+    interleaved (batch 1, 2, 4, twin 1, 2, 4, batch 1, ...) so that each sees the same
+    range of machine load."""
+    rates: dict[tuple[bool, int], tuple[float, float, float]] = {}
     for _ in range(repeats):
-        for processes in (1, 2, 4):
-            rate, cpu = throughput(url, processes, messages)
-            print(f"{processes} consumer process(es): {rate:,.0f} msg/s, "
-                  f"{cpu:.0f} us CPU per message", flush=True)
-            if rate > rates.get(processes, (0.0, 0.0))[0]:
-                rates[processes] = (rate, cpu)
-    one, one_cpu = rates[1]
-    for processes, goal in ((2, 1.8), (4, 3.2)):
-        rate, cpu = rates[processes]
-        bench_line("ordered_topics", f"throughput_{processes}_vs_1_process_msg_per_s", rate,
-                   one, rate / one, f">= {goal}x", rate / one >= goal, messages=messages,
-                   partitions=PARTITIONS, handler="sleep 1 ms", repeats=repeats,
-                   cpu_us_per_msg_ours=round(cpu),
-                   cpu_us_per_msg_baseline=round(one_cpu))
+        for label, mode in MODES:
+            for processes in (1, 2, 4):
+                rate, cpu, per_fetch = throughput(url, processes, messages, mode)
+                print(f"{label}: {processes} consumer process(es): {rate:,.0f} msg/s, "
+                      f"{cpu:.0f} us CPU per message, {per_fetch:.1f} messages per "
+                      "fetch", flush=True)
+                if rate > rates.get((mode, processes), (0.0, 0.0, 0.0))[0]:
+                    rates[(mode, processes)] = (rate, cpu, per_fetch)
+    for label, mode in MODES:
+        one, one_cpu, _ = rates[(mode, 1)]
+        tag = "" if mode else "_plain_twin"
+        for processes, goal in ((2, 1.8), (4, 3.2)):
+            rate, cpu, per_fetch = rates[(mode, processes)]
+            bench_line("ordered_topics",
+                       f"throughput_{processes}_vs_1_process_msg_per_s{tag}", rate, one,
+                       rate / one, f">= {goal}x", rate / one >= goal, refill=label,
+                       messages=messages, partitions=PARTITIONS, handler="sleep 1 ms",
+                       repeats=repeats, cpu_us_per_msg_ours=round(cpu),
+                       cpu_us_per_msg_baseline=round(one_cpu),
+                       messages_per_fetch=round(per_fetch, 1))
+    for processes in (1, 2, 4):
+        batch, twin = rates[(True, processes)], rates[(False, processes)]
+        bench_line("ordered_topics", f"cpu_us_per_msg_batch_refill_vs_twin_{processes}_proc",
+                   batch[1], twin[1], batch[1] / twin[1], "< 1 (less CPU)",
+                   batch[1] < twin[1], msg_per_s_ours=round(batch[0]),
+                   msg_per_s_baseline=round(twin[0]),
+                   messages_per_fetch_ours=round(batch[2], 1),
+                   messages_per_fetch_baseline=round(twin[2], 1))
 
 
 # -- 2. the pause of a split -----------------------------------------------------------
@@ -393,7 +429,7 @@ def main() -> None:
         bench_scaling(args.redis_url, args.messages, args.scaling_repeats)
     if "split" not in args.skip:
         # the topic's defaults, then a shorter fence, then a short fence and cache
-        for route_cache, fence, refresh in ((0.25, 1.0, 0.5), (0.25, 0.5, 0.25),
+        for route_cache, fence, refresh in ((0.05, 0.8, 0.5), (0.05, 0.5, 0.25),
                                             (0.05, 0.2, 0.1)):
             split_pause(args.redis_url, args.rate, args.seconds, route_cache, fence, refresh)
 

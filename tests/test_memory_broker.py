@@ -69,6 +69,25 @@ def test_unacked_delivery_times_out_and_comes_back() -> None:
     assert broker.stats.stale_acks == 1 and broker.stats.double_acks == 0
 
 
+def test_a_late_ack_before_the_redelivery_settles_the_message_for_good() -> None:
+    """The visibility timeout put a delivery back; its late ack came before the next
+    fetch. The message is settled: the copy put back is not delivered again (it was,
+    every ack of it was stale, and it timed out and came back forever - a storm of
+    redeliveries found by tests/reliability/test_differential_refill.py)."""
+    broker = InMemoryBroker(visibility_timeout=30)
+    broker.publish("t", b"x")
+    broker.publish("t", b"z")
+    x, z = broker.fetch(["t"], "g", max_messages=2)
+    broker.advance(31)
+    (x_again,) = broker.fetch(["t"], "g", max_messages=1)  # both back in line: x first
+    assert x_again.id == x.id and broker.stats.timeouts == 2
+    broker.ack(z)  # z's late ack, while z waits in line: it settles z
+    broker.ack(x_again)
+    assert broker.fetch(["t"], "g", max_messages=10) == []
+    assert broker.pending == 0
+    assert broker.next_due(["t"], "g") is None
+
+
 def test_only_unsettled_deliveries_time_out_after_many_settled_ones() -> None:
     # Thousands of settled leases are dropped in bulk along the way; the unsettled
     # deliveries among them keep theirs and come back at their timeout, nothing else.

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import ordered_topic_runner as runner
 from msgpatterns import Message
 from msgpatterns.brokers import InMemoryBroker
-from msgpatterns.ordering import MemoryRouteStore, OrderedTopic, RouteStore
+from msgpatterns.ordering import MemoryRouteStore, OrderedTopic, RouteStore, logic_partition
 from ordered_topic_runner import (
     Options,
     TopicDriver,
@@ -232,3 +232,102 @@ def test_a_dead_lettered_message_stops_its_key_or_lets_the_next_pass(
 
 def text(body: Any) -> str:
     return body.decode() if isinstance(body, bytes | bytearray) else str(body)
+
+
+@pytest.mark.parametrize("batch_refill", [True, False])
+def test_a_member_that_joins_under_a_backlog_gets_its_share(batch_refill: bool) -> None:
+    """A member alone holds both partitions of a backlog; a second member joins. The
+    first hands one partition back at a settled point (it stops fetching from it and
+    waits for what it fetched to settle) even though the partition is never idle, so
+    the second one consumes part of the backlog; every key stays in order. Before
+    the fix the busy partition was never handed back and the new member stayed idle."""
+    from msgpatterns.runtime.fetcher import Fetcher
+
+    saved = Fetcher.batch_refill
+    Fetcher.batch_refill = batch_refill
+    store = MemoryRouteStore()
+    broker = InMemoryBroker(record_history=False)
+    topic = OrderedTopic(broker, "join", routes=store, logic_partitions=64,
+                         route_cache=0.0, fence=0.0)
+    topic.create(physical=2)
+    keys = [f"k{i}" for i in range(40)]
+    total = 1200
+    for n in range(total):
+        topic.publish(keys[n % len(keys)], str(n))
+    lock = threading.Lock()
+    handled: dict[str, list[int]] = {}
+    by_member = {"a": 0, "b": 0}
+
+    def handler_of(member: str) -> Any:
+        def handle(message: Message) -> None:
+            time.sleep(0.002)
+            with lock:
+                handled.setdefault(message.key or "", []).append(int(text(message.body)))
+                by_member[member] += 1
+        return handle
+
+    first = topic.consumer(handler_of("a"), group="g", owner="a", refresh=0.05,
+                           poll_timeout=0.02)
+    second = topic.consumer(handler_of("b"), group="g", owner="b", refresh=0.05,
+                            poll_timeout=0.02)
+    try:
+        first.start()
+        deadline = time.monotonic() + 60
+        while by_member["a"] < 50 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        second.start()
+        while sum(by_member.values()) < total and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        first.stop(10)
+        second.stop(10)
+        Fetcher.batch_refill = saved
+    assert sum(by_member.values()) == total
+    assert by_member["b"] > 0, by_member
+    for key, seen in handled.items():
+        assert seen == sorted(seen), f"key {key} out of order"
+
+
+def test_a_busy_partition_above_the_share_is_drained_then_handed_back() -> None:
+    """The regression under the test above, step by step: a member holds two
+    partitions with messages fetched and not settled from both (never idle under a
+    backlog); a second member joins. The first stops fetching from the partition it
+    must give up, and hands it back once what it fetched from there is settled."""
+    from msgpatterns.ordering.topic_feed import TopicFeed
+
+    store = MemoryRouteStore()
+    broker = InMemoryBroker(record_history=False)
+    topic = OrderedTopic(broker, "drain", routes=store, logic_partitions=64,
+                         route_cache=0.0, fence=0.0)
+    topic.create(physical=2)
+    route = topic.state().committed
+    by_partition: dict[int, list[str]] = {0: [], 1: []}
+    n = 0
+    while min(len(v) for v in by_partition.values()) < 6:
+        key = f"k{n}"
+        physical = 0 if logic_partition(key, 64) in route.segment(0).logic else 1
+        by_partition[physical].append(key)
+        topic.publish(key, str(n))
+        n += 1
+    a = TopicFeed(topic, "g", owner="a", lease_ttl=120, refresh=60)
+    b = TopicFeed(topic, "g", owner="b", lease_ttl=120, refresh=60)
+    a.rebalance()
+    assert a.held == [0, 1]
+    fetched: list[Message] = []
+    while {topic.physical_of_topic(m.topic or "") for m in fetched} != {0, 1}:
+        got = a.fetch([topic.name], "g", max_messages=3, timeout=0)
+        assert got
+        fetched += got
+    b.rebalance()  # joins: the share is one partition each
+    a.rebalance()
+    assert a.held == [0, 1]  # partition 1 is busy: not handed back yet ...
+    later = a.fetch([topic.name], "g", max_messages=100, timeout=0)
+    assert {topic.physical_of_topic(m.topic or "") for m in later} <= {0}  # ... drained
+    for message in fetched + later:
+        if topic.physical_of_topic(message.topic or "") == 1:
+            a.ack(message)
+    a.rebalance()  # a settled point: handed back
+    b.rebalance()
+    assert (a.held, b.held) == ([0], [1])
+    a.close()
+    b.close()

@@ -212,6 +212,7 @@ class Consumer(DriverBase):
             fetch_batch=fetch_batch, poll_timeout=self.poll_timeout, stats=self.stats,
             settler=self._settler, reporter=self._reporter,
             stop_requested=self._stop_requested, name=self.name, log=log)
+        self._fetcher.lanes = workers  # ordered mode's batch refill (Fetcher.lanes)
         #: Where deliveries report their outcome (settler -> broker -> freed slot).
         self._settling = ThreadSettling(
             broker=broker, settler=self._settler, fetcher=self._fetcher,

@@ -536,3 +536,76 @@ def broker_for_client(client: Any, **kwargs: Any) -> Any:
     from msgpatterns.brokers import RedisStreamsBroker
 
     return RedisStreamsBroker(client, **kwargs)
+
+
+# -- issue 21: an ordered topic's partitions moved under a backlog ---------------------
+
+
+def _read_ahead_on(broker: Any, topics: list[str], count: int) -> list[Message]:
+    """Full fetches in a row (a backlog, steady): a read of both streams brings twice
+    ``count`` (the surplus waits for the next fetch), and the third sends a read-ahead."""
+    got: list[Message] = []
+    for _ in range(3):
+        got += broker.fetch(topics, GROUP, max_messages=count, timeout=0)
+    assert len(got) == 3 * count
+    pending = sum(broker._redis.xpending(t, GROUP)["pending"] for t in topics)
+    assert pending >= 5 * count  # a surplus and a read-ahead wait in this broker
+    return got
+
+
+def test_a_read_ahead_for_streams_no_longer_asked_for_is_handed_back_at_once(
+        redis_url: str, client: Any, stream: str) -> None:
+    """A consumer read ahead from two streams, then asks for one only (its ordered
+    topic's partition went to another member): what it read ahead of the other stream
+    is handed back by that fetch, so the stream's next reader gets those entries first
+    and in order - not after ``read_ahead_hold`` (or a visibility timeout), behind
+    later entries. It broke per-key order on Redis under a backlog."""
+    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+
+    a, b = f"{stream}-a", f"{stream}-b"
+    one = RedisStreamsBroker(redis_url, consumer="one", read_ahead_hold=60)
+    two = RedisStreamsBroker(redis_url, consumer="two")
+    try:
+        for i in range(40):
+            one.publish(a, str(i).encode())
+            one.publish(b, str(i).encode())
+        got = _read_ahead_on(one, [a, b], 4)
+        taken_b = [int(m.raw_body) for m in got if m.topic == b]
+        one.ack_many(got)
+        one.fetch([a], GROUP, max_messages=4, timeout=0)  # b is not asked for any more
+        rest = [int(m.raw_body) for m in two.fetch([b], GROUP, max_messages=100, timeout=0)]
+        assert taken_b + rest == list(range(40))  # b's entries in order, none skipped
+    finally:
+        one.close()
+        two.close()
+        client.delete(f"{stream}-a", f"{stream}-b")
+
+
+def test_hand_back_unfetched_returns_a_partitions_read_ahead_before_it_is_given_up(
+        redis_url: str, client: Any, stream: str) -> None:
+    """:meth:`RedisStreamsBroker.hand_back_unfetched` (what an ordered topic's feed
+    calls before it releases a partition) hands back the read-ahead and the surplus
+    of those streams now; the entries of the others stay first in line."""
+    from msgpatterns.brokers.redis_streams import RedisStreamsBroker
+
+    a, b = f"{stream}-a", f"{stream}-b"
+    one = RedisStreamsBroker(redis_url, consumer="one", read_ahead_hold=60)
+    two = RedisStreamsBroker(redis_url, consumer="two")
+    try:
+        for i in range(40):
+            one.publish(a, str(i).encode())
+            one.publish(b, str(i).encode())
+        got = _read_ahead_on(one, [a, b], 4)
+        one.ack_many(got)
+        assert one.hand_back_unfetched([b], GROUP) > 0
+        taken_b = [int(m.raw_body) for m in got if m.topic == b]
+        rest = [int(m.raw_body) for m in two.fetch([b], GROUP, max_messages=100, timeout=0)]
+        assert taken_b + rest == list(range(40))
+        taken_a = [int(m.raw_body) for m in got if m.topic == a]
+        more_a = [int(m.raw_body) for m in one.fetch([a, b], GROUP, max_messages=100,
+                                                      timeout=0) if m.topic == a]
+        assert taken_a + more_a == list(range(40))  # a's read-ahead kept its place
+    finally:
+        one.close()
+        two.close()
+        client.delete(f"{stream}-a", f"{stream}-b")

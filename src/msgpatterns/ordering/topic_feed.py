@@ -7,6 +7,11 @@ fetches from. Behind it, one consumer process:
   partitions, at most one owner per partition, up to its fair share
   (``ceil(partitions to consume / live members)``); a dead member's leases expire
   after ``lease_ttl`` and its partitions are taken over;
+* hands back a partition above its fair share (a member joined) at a settled point:
+  it stops fetching from it, waits until everything fetched from it is settled for
+  good, hands back what the broker read ahead of it (Redis), then releases the lease -
+  so a new member gets its share under a backlog too, and starts where this one
+  stopped;
 * takes over a partition whose lease ran out (its owner died or stalled) only
   ``takeover_delay`` seconds later (by default the broker's ``visibility_timeout``):
   by then the broker redelivers what the dead owner had fetched and not settled, and
@@ -82,8 +87,8 @@ class FeedStats:
 class _Held:
     """What this feed tracks of one leased partition."""
 
-    __slots__ = ("command", "command_at", "command_message", "outstanding", "readable_at",
-                 "recorded_at", "retrying")
+    __slots__ = ("command", "command_at", "command_message", "draining", "outstanding",
+                 "readable_at", "recorded_at", "retrying")
 
     def __init__(self, readable_at: float = float("-inf")) -> None:
         self.readable_at = readable_at  # a takeover waits for the dead owner's redeliveries
@@ -93,6 +98,11 @@ class _Held:
         self.command_at = 0.0
         self.command_message: Message | None = None
         self.recorded_at: float | None = None
+        self.draining = False  # above the fair share: no more fetches, then handed back
+
+    def busy(self) -> bool:
+        """Messages fetched from the partition and not settled for good."""
+        return bool(self.outstanding or self.retrying)
 
 
 class TopicFeed:
@@ -127,6 +137,9 @@ class TopicFeed:
         self._history: list[Route] = []
         self._recorded: frozenset[tuple[int, int]] = frozenset()
         self._refreshed_at = float("-inf")
+        #: Seconds between route reads: ``refresh``, or a tenth of it while a route
+        #: change waits for a recording (see :meth:`rebalance`).
+        self._interval = refresh
         self._closed = False
         self._wake = threading.Event()
 
@@ -136,7 +149,7 @@ class TopicFeed:
         return time.time()
 
     def _maybe_refresh(self) -> None:
-        if time.monotonic() - self._refreshed_at >= self.refresh:
+        if time.monotonic() - self._refreshed_at >= self._interval:
             self.rebalance()
 
     def rebalance(self) -> None:
@@ -159,6 +172,7 @@ class TopicFeed:
                                          self.lease_ttl):
                     self.stats.leases_lost += 1
                     log.warning("lease of %s partition %d lost", name, physical)
+                    self._hand_back_unfetched([physical])
                     del self._held[physical]
             self._release_done()
             leases = self._store.leases(name, group, now)
@@ -177,14 +191,30 @@ class TopicFeed:
                     self._held[physical] = _Held(
                         now + self.takeover_delay if taken_over else float("-inf"))
                     self.stats.leases_taken += 1
-            for physical in sorted(self._held, reverse=True):
-                if len(self._held) <= share:
-                    break
-                held = self._held[physical]
-                if not held.outstanding and not held.retrying and held.command is None:
-                    self._store.release(name, group, physical, self.owner)
-                    del self._held[physical]
+            self._hand_back_surplus(share)
+            # A partition waits for its predecessors' commands to be recorded (by any
+            # member), or this member holds a command to record: look a tenth as long.
+            waiting = (len(self._to_consume()) < len(self._unfinished())
+                       or any((h.command is not None and h.recorded_at is None)
+                              or h.draining for h in self._held.values()))
+            self._interval = self.refresh / 10 if waiting else self.refresh
             self._refreshed_at = time.monotonic()
+
+    def _hand_back_surplus(self, share: int) -> None:
+        """Lock held: hand back the partitions above this member's fair ``share`` (a
+        member joined), idle ones first. A busy one (messages fetched and not settled)
+        is *drained*: no more fetches from it, and once everything fetched from it is
+        settled for good - a settled point - it is handed back, what the broker read
+        ahead of it first. So a new member gets its share under a backlog too, and the
+        next owner starts exactly where this one stopped."""
+        candidates = sorted((p for p, h in self._held.items() if h.command is None),
+                            key=lambda p: (self._held[p].busy(), -p))
+        surplus = set(candidates[:max(0, len(self._held) - share)])
+        for physical in list(self._held):
+            held = self._held[physical]
+            held.draining = physical in surplus
+            if held.draining and not held.busy():
+                self._give_up(physical)
 
     def _to_consume(self) -> set[int]:
         """The partitions that are not finished and whose predecessors are."""
@@ -194,6 +224,11 @@ class TopicFeed:
             if physical not in done and all(c in done for c in closed):
                 out.add(physical)
         return out
+
+    def _unfinished(self) -> set[int]:
+        """Every partition of the history not finished yet (blocked or not)."""
+        done = self._finished()
+        return {p for p in predecessors(self._history) if p not in done}
 
     def _finished(self) -> set[int]:
         return {p for p, version in closed_by(self._history).items()
@@ -206,8 +241,20 @@ class TopicFeed:
             held = self._held[physical]
             if (held.recorded_at is not None and not held.outstanding and not held.retrying
                     and now - held.recorded_at >= self.topic.fence):
-                self._store.release(self.topic.name, self.group, physical, self.owner)
-                del self._held[physical]
+                self._give_up(physical)
+
+    def _give_up(self, physical: int) -> None:
+        """Lock held: hand ``physical`` back. What the broker below read ahead of this
+        partition (and no fetch took) is handed back first, so the next owner gets
+        those messages before the later ones it reads itself."""
+        self._hand_back_unfetched([physical])
+        self._store.release(self.topic.name, self.group, physical, self.owner)
+        del self._held[physical]
+
+    def _hand_back_unfetched(self, partitions: list[int]) -> None:
+        hand_back = getattr(self._inner, "hand_back_unfetched", None)
+        if hand_back is not None and partitions:
+            hand_back([self.topic.partition_topic(p) for p in partitions], self.group)
 
     # -- Broker protocol ------------------------------------------------------------
 
@@ -228,12 +275,12 @@ class TopicFeed:
             self._record_ready()
             now = self._now()
             readable = [self.topic.partition_topic(p) for p, held in sorted(self._held.items())
-                        if held.readable_at <= now]
+                        if held.readable_at <= now and not held.draining]
+        wait = min(timeout, self._interval, self._until_fence())
         if not readable:
-            self._wake.wait(min(timeout, self.refresh))
+            self._wake.wait(wait)
             return []
-        fetched = self._inner.fetch(readable, group, max_messages,
-                                    min(timeout, self.refresh))
+        fetched = self._inner.fetch(readable, group, max_messages, wait)
         out: list[Message] = []
         with self._lock:
             for message in fetched:
@@ -262,6 +309,17 @@ class TopicFeed:
                 out.append(message)
             self._record_ready()
         return out
+
+    def _until_fence(self) -> float:
+        """Seconds until the fence of a command this member holds ends (a fetch waits
+        no longer: the command is recorded as soon as its fence ends)."""
+        with self._lock:
+            now = self._now()
+            ends = [h.command_at + self.topic.fence - now for h in self._held.values()
+                    if h.command is not None and h.recorded_at is None]
+        # A fence that ended already waits for settlements, which record it: no spin.
+        ends = [end for end in ends if end > 0]
+        return min(ends) if ends else float("inf")
 
     def _refuse(self, message: Message) -> None:
         from msgpatterns.ordering.errors import UnroutedMessage
@@ -335,6 +393,8 @@ class TopicFeed:
                 held.outstanding.pop(ident, None)
             if retrying:
                 held.retrying.add(ident)
+            elif held.command is not None and not held.outstanding:
+                self._record_ready()  # the last one before the command: no fetch waited
 
     def ack(self, message: Message) -> None:
         self._inner.ack(message)
@@ -372,6 +432,7 @@ class TopicFeed:
             if self._closed:
                 return
             self._closed = True
+            self._hand_back_unfetched(list(self._held))
             for physical in list(self._held):
                 self._store.release(self.topic.name, self.group, physical, self.owner)
             self._held.clear()

@@ -39,6 +39,13 @@ __all__ = ["Fetcher"]
 class Fetcher:
     """Fetching, flow control and the ready queue of one thread-driven consumer."""
 
+    #: Ordered mode refills a full window a batch at a time (:meth:`_refill_later`);
+    #: False: the plain twin, one fetch as soon as a slot is free.
+    batch_refill = True
+    #: The ordered consumer's lanes (its ``workers``): below that many messages
+    #: running or ready, the pump refills without waiting for a batch.
+    lanes = 1
+
     def __init__(self, *, broker: Any, topics: list[str], group: str, max_in_flight: int,
                  fetch_batch: int, poll_timeout: float, stats: ConsumerStats,
                  settler: Settler, reporter: Reporter, stop_requested: threading.Event,
@@ -60,6 +67,8 @@ class Fetcher:
         #: Messages to run (and, for batch claims, claimed messages to run). Never
         #: replaced (workers keep its popleft), only cleared.
         self.ready: deque[Message | Claimed] = deque()
+        #: When the batch refill first put off a fetch (monotonic), None: it did not.
+        self._put_off: float | None = None
         self.state = State.NEW
         self.until_idle = False
         self.fetching = False
@@ -128,6 +137,10 @@ class Fetcher:
                     if self.fetching:
                         self.wait(self.poll_timeout, for_fetch=True)
                         continue
+                    if free > 0 and self._refill_later(free):
+                        self.wait(self.poll_timeout)  # a settlement wakes it
+                        continue
+                    self._put_off = None
                     if free <= 0:
                         # Full: only a retry coming due can free a slot.
                         if not (self.until_idle and self.slots.nothing_active()
@@ -169,6 +182,33 @@ class Fetcher:
                     else:
                         self._finish_idle()
                         return None
+
+    def _refill_later(self, free: int) -> bool:
+        """Lock held, ``free`` slots: True when the ordered pump should wait for more
+        settlements before it fetches (batch refill). A full window that frees one
+        slot per settlement would otherwise be refilled one message per fetch (one
+        broker round trip, one feed pass, per message): the pump waits until a batch
+        of slots is free - ``min(fetch_batch, max_in_flight // 2)`` - unless the work
+        it holds runs low (fewer messages running or ready than ``lanes``: the others
+        are parked behind their keys or wait for a retry), so a slow key with its
+        backlog parked behind it does not hold back the other keys' messages; and
+        never longer than ``poll_timeout`` in all (a handler that acks only once it
+        has seen more messages still gets them). Only in ordered mode (a key gate);
+        ``batch_refill = False`` is the plain twin (refill as soon as a slot is free),
+        kept for the differential test. Fetch order, and so each key's order, is the
+        same on both."""
+        slots = self.slots
+        gate = slots.gate
+        if not self.batch_refill or gate is None:
+            return False
+        if free >= min(self.fetch_batch, max(1, self.max_in_flight // 2)):
+            return False
+        if len(slots) - gate.parked - len(slots.scheduler) < self.lanes:
+            return False
+        now = time.monotonic()
+        if self._put_off is None:
+            self._put_off = now
+        return now - self._put_off < self.poll_timeout
 
     def _fetch(self, count: int, timeout: float | None) -> list[Message]:
         try:

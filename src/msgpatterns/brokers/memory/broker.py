@@ -539,6 +539,12 @@ class InMemoryBroker(BrokerAdapter):
             else:
                 entry = ready.popleft()
             uid = entry.uid
+            if uid in lane.done:
+                # Settled by a late ack (or dead letter) of a delivery whose visibility
+                # timeout had put it back: that settlement stands (as a late XACK does
+                # on Redis), so this copy is dropped - delivered, every ack of it would
+                # be stale and it would time out and come back forever.
+                continue
             attempt = deliveries.get(uid, 0) + 1
             deliveries[uid] = attempt
             token = next(tokens)

@@ -290,6 +290,7 @@ class RedisStreamsBroker(StreamsSettings, AckBatching, StreamReads, GroupUpkeep,
     def _fetch(self, topics: Sequence[str], group: str, max_messages: int,
                timeout: float, read: Read) -> list[Message]:
         self._ensure_groups(topics, group)
+        self._drop_unasked(topics, group)
         acks = self._take_acks()  # sent with the read below: one round trip for both
         try:
             out = self._take_overflow(topics, group, max_messages)
@@ -552,6 +553,60 @@ class RedisStreamsBroker(StreamsSettings, AckBatching, StreamReads, GroupUpkeep,
                 self._groups -= {g for g in self._groups if g[1] == group}
             self._ensure_groups(topics, group, lost=True)
             return fn(*args, **kwargs)
+
+    def hand_back_unfetched(self, topics: Sequence[str], group: str) -> int:
+        """Hand back at once what this broker read ahead of the fetches for ``topics``
+        in ``group`` and no fetch has taken yet (a read's surplus, a read-ahead's
+        reply): their streams go to another consumer now, which must see those entries
+        before the later ones it reads itself. Returns how many were handed back.
+        An ordered topic's feed calls it before it gives a partition up."""
+        gone = set(topics)
+        return self._hand_back_where(group, gone.__contains__)
+
+    def _drop_unasked(self, topics: Sequence[str], group: str) -> None:
+        """A fetch of ``group`` for ``topics``: hand back what was read ahead for other
+        streams of the group (the set asked for changed: an ordered topic's partitions
+        moved), so they are redelivered at once to whoever reads those streams now,
+        before the later entries - never after ``read_ahead_hold`` or a visibility
+        timeout. A read-ahead sent for another set of streams of the group is finished
+        here: its entries of streams still asked for go first in line."""
+        key = (tuple(topics), group)
+        with self._lock:
+            if not self._overflow and all(k == key or k[1] != group or a is None
+                                          for k, a in self._aheads.items()):
+                return  # the common case: nothing else read ahead
+        asked = set(topics)
+        self._hand_back_where(group, lambda topic: topic not in asked, keep=key)
+
+    def _hand_back_where(self, group: str, gone: Callable[[str], bool], *,
+                         keep: tuple[tuple[str, ...], str] | None = None) -> int:
+        """Hand back the entries of ``group`` read ahead (the overflow, and the
+        read-aheads but the one for ``keep``, finished here) whose topic is ``gone``;
+        the finished read-aheads' other entries join the overflow after what it holds
+        (read before them, and before anything read later). Handed back in the order
+        read, so the stream's next reader sees them in that order."""
+        with self._lock:
+            taken = [a for k, a in self._aheads.items()
+                     if k[1] == group and k != keep and a is not None]
+            for ahead in taken:
+                del self._aheads[ahead.key]
+        later: list[Message] = []
+        handed_later: list[Message] = []
+        for ahead in taken:
+            for m in self._messages(self._finish_ahead(ahead), ahead.origin, group):
+                topic = receipt_of(m, Receipt, OWNER).topic
+                (handed_later if gone(topic) else later).append(m)
+        with self._lock:
+            kept: list[Message] = []
+            handed: list[Message] = []
+            for m in self._overflow:
+                r = receipt_of(m, Receipt, OWNER)
+                (handed if r.group == group and gone(r.topic) else kept).append(m)
+            self._overflow = kept + later
+        handed += handed_later
+        if handed:
+            self._hand_back(handed)
+        return len(handed)
 
     def _take_overflow(self, topics: Sequence[str], group: str, limit: int) -> list[Message]:
         with self._lock:
