@@ -228,8 +228,8 @@ def count_claims(stats: IdempotencyStats, claims: Iterable[Claim]) -> None:
 
 def classify(key: str, record: Record, token: str, fingerprint: str | None) -> Claim:
     """Rule 1's outcome: what a store found after a claim attempt, as a :class:`Claim`."""
-    if record.token == token:
-        return Claim(key, Status.CLAIMED, token, fingerprint=fingerprint)
+    if record.token == token:  # the usual case, built without Claim's Python __new__
+        return tuple.__new__(Claim, (key, Status.CLAIMED, token, 0.0, fingerprint, None))
     if fingerprint is not None and record.fingerprint not in (None, fingerprint):
         return Claim(key, Status.CONFLICT)
     if record.state == DONE:
@@ -388,7 +388,8 @@ def claim_one_steps(rules: LeaseRules, store_key: str,
         token = new_token()
         (record,) = yield Io("claim_many", [ClaimRequest(store_key, token, fingerprint)])
         claim = classify(store_key, record, token, fingerprint)
-    rules.stats.add(COUNTERS[claim.status])
+    status = claim.status
+    rules.stats.add("claimed" if status is Status.CLAIMED else COUNTERS[status])
     return claim
 
 
