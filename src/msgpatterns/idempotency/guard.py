@@ -13,10 +13,11 @@ once; only the I/O differs between a sync and an async checker, and between stor
 Two strategies:
 
 * :func:`lease_steps` - a lease store (memory, Redis, SQL): claim with a lease, run,
-  complete (compare-and-set) or release (compare-and-delete). A sync checker's single
+  complete (compare-and-set) or release (compare-and-delete). A checker's single
   guarded call runs its direct-style twin,
-  :func:`~msgpatterns.idempotency.lease_call.lease_call` (the per-call hot path), which
-  a differential test holds to exactly what ``drive(lease_steps(...))`` does;
+  :func:`~msgpatterns.idempotency.lease_call.lease_call` (sync) or ``alease_call``
+  (async), the per-call hot paths, which differential tests hold to exactly what
+  ``drive(lease_steps(...))`` and ``adrive(lease_steps(...))`` do;
 * :func:`transactional_steps` - the dedup row and the handler's writes in one
   database transaction: claim inside it, run the handler on it, check it can still
   commit, commit (nothing to complete, nothing to release: a rollback undoes both).

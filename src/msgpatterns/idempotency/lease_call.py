@@ -9,12 +9,17 @@ round trip each) and counting, logging and raising the same, written as plain ca
 ``yield step`` is ``perform(step)`` here and ``yield Run(None)`` is ``call(None)`` -
 without the generator and its driver loop.
 
-It is a fast path with a plain twin: ``tests/reliability/test_differential_lease_call.py`` runs
+An async lease checker's single guarded call (``aexecute``, so every ``@idempotent``
+call of an ``async def`` handler) runs :func:`alease_call`, the same again with each
+store operation and the handler awaited, instead of ``adrive(lease_steps(...))``.
+
+Each is a fast path with a plain twin: ``tests/reliability/test_differential_lease_call.py`` runs
 generated schedules (repeated keys, handlers that fail, store faults, leases that
 expire, write-behind, stored results, fingerprints, fail-open) through
 ``drive(lease_steps(...))`` and through :func:`lease_call` on twin checkers and
-requires the same outcomes, errors, store records, counters and round trips. A change
-to one must be made to the other.
+requires the same outcomes, errors, store records, counters and round trips;
+``test_differential_alease_call.py`` does the same for :func:`alease_call` against
+``adrive(lease_steps(...))``. A change to one must be made to the others.
 """
 
 from __future__ import annotations
