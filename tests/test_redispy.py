@@ -225,3 +225,21 @@ async def test_the_sync_twin_talks_to_the_same_server(redis_url: str, unique: st
         twin.delete(key)
         twin.close()
         await client.aclose()
+
+
+@pytest.mark.redis
+def test_a_sync_command_past_the_socket_timeout_raises_and_drops_its_connection(
+        redis_url: str, unique: str) -> None:
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=0.2)
+    link = _redispy.RedisLink(client)
+    try:
+        first = link.call("CLIENT", "ID")
+        with pytest.raises(RedisTimeout):
+            link.call("BLPOP", f"redispy:{unique}:never", 5)  # no reply within 0.2 s
+        assert link.call("CLIENT", "ID") != first  # the late reply is never read
+        assert link.call("PING") in (b"PONG", True)
+    finally:
+        link.close()
+        client.close()

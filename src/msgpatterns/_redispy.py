@@ -157,8 +157,11 @@ class _Line:
                         raise OSError("Connection closed by server.")
                     reader.feed(self.buffer, 0, size)
                 reply = reader.gets()
-        except BaseException as error:
+        except OSError as error:  # a timeout included
             raise self._dropped(error) from None
+        except BaseException:  # e.g. a reply hiredis cannot parse, an interrupt
+            self._drop()
+            raise
         if isinstance(reply, Exception):
             from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -179,17 +182,16 @@ class _Line:
         with contextlib.suppress(Exception):
             self.conn.disconnect()
 
-    def _dropped(self, error: BaseException) -> BaseException:
-        """The error to raise for a failed exchange, the connection dropped."""
+    def _dropped(self, error: OSError) -> Exception:
+        """redis-py's error for a failed exchange (as its connection raises it), the
+        connection dropped."""
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeout
 
         self._drop()
         if isinstance(error, TimeoutError):  # socket.timeout
             return RedisTimeout("Timeout reading from socket")
-        if isinstance(error, OSError):
-            return RedisConnectionError(f"Error while talking to Redis: {error}")
-        return error
+        return RedisConnectionError(f"Error while talking to Redis: {error}")
 
 
 class RedisLink:
