@@ -36,7 +36,8 @@ same run. Every measurement alternates ours and the baseline over ``--repeats`` 
    side's publishing too, about 0.001 a message).
 
     python benchmarks/bench_idempotency.py [--keys N] [--repeats R]
-        [--redis-url URL] [--postgres-url URL] [--only powertools|versions|async]
+        [--redis-url URL] [--postgres-url URL]
+        [--only powertools|versions|async|per-call]
 """
 
 from __future__ import annotations
@@ -111,23 +112,39 @@ class Sampled:
 @contextmanager
 def round_trips() -> Iterator[list[int]]:
     """Count the sync redis-py client's round trips (``send_packed_command`` calls: one
-    per command sent alone, one per pipeline) while the block runs, every thread."""
+    per command sent alone, one per pipeline) while the block runs, every thread; and
+    the commands a checker's link writes to its connection's socket itself (with
+    hiredis: ``_redispy._Line.exchange``, one round trip each)."""
     from redis.connection import AbstractConnection
+
+    from msgpatterns import _redispy
 
     count = [0]
     lock = threading.Lock()
     send = AbstractConnection.send_packed_command
+    line = getattr(_redispy, "_Line", None)  # None in older versions
+    exchange = line.exchange if line is not None else None
 
     def counted(self: Any, command: Any, check_health: bool = True) -> None:
         with lock:
             count[0] += 1
         send(self, command, check_health)
 
+    def exchanged(self: Any, packed: bytes) -> Any:
+        with lock:
+            count[0] += 1
+        assert exchange is not None
+        return exchange(self, packed)
+
     AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+    if line is not None:
+        line.exchange = exchanged
     try:
         yield count
     finally:
         AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
+        if line is not None:
+            line.exchange = exchange
 
 
 class Keys:
@@ -515,12 +532,15 @@ def async_vs_sync(url: str, n: int, repeats: int) -> None:
                    mine / n * 1e6, base / n * 1e6, 1.0, "reported", True, messages=n)
         sync_checker.close()
         return
-    mine, base = median_pair(repeats, async_round, sync_round)
+    ours, theirs = Sampled(async_round), Sampled(sync_round)
+    mine, base = median_pair(repeats, ours, theirs)
     ratio = base / mine
     bench_line("idempotency.async_vs_sync", "us per new message, async @idempotent "
                "(AsyncRedisChecker) vs sync @idempotent (RedisChecker), strict",
                mine / n * 1e6, base / n * 1e6, ratio, ">= 0.8x the sync rate", ratio >= 0.8,
-               messages=n)
+               messages=n, cpu_us=ours.per_message(n)["cpu_us"],
+               baseline_cpu_us=theirs.per_message(n)["cpu_us"],
+               baseline_round_trips=theirs.per_message(n)["round_trips"])
     loop.run_until_complete(async_checker.aclose())
     loop.close()
     sync_checker.close()
@@ -534,11 +554,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--redis-url", default=services.url("redis"))
     parser.add_argument("--postgres-url", default=services.url("postgres"))
-    parser.add_argument("--only", choices=["powertools", "versions", "async"], default=None,
+    parser.add_argument("--only", choices=["powertools", "versions", "async", "per-call"],
+                        default=None,
                         help="only the comparisons with Powertools (4, 5 and 8), only "
-                        "the rows that compare versions (1, 2, 6, 7), or only the async "
-                        "one (7)")
+                        "the rows that compare versions (1, 2, 6, 7), only the async "
+                        "one (7), or only the per-call rows of a guarded call (4 and 7)")
     args = parser.parse_args()
+    if args.only == "per-call":
+        decorator_vs_powertools(args.redis_url, args.keys, args.repeats)
+        async_vs_sync(args.redis_url, args.keys, args.repeats)
+        return
     if args.only == "async":
         async_vs_sync(args.redis_url, args.keys, args.repeats)
         return

@@ -107,6 +107,71 @@ async def test_each_fallback_gives_the_replies_and_errors_of_the_fast_path(
         await client.aclose()
 
 
+# -- the sync link: each internal taken away -------------------------------------------
+
+
+def _sync_script(link: _redispy.RedisLink, key: str) -> list[Any]:
+    """The async script's commands on the sync link, then the same through a command
+    whose first words are packed once (``script``)."""
+    out: list[Any] = []
+    sent: list[tuple[Callable[[], Any]]] = [
+        (lambda args=args: link.call(*args),)
+        for args in (("SET", key, "é", "PX", 60_000), ("GET", key), ("INCR", key),
+                     ("NO-SUCH-COMMAND",), ("EVALSHA", "0" * 40, 0), ("GET", object()),
+                     ("DEL", key), ("GET", key))]
+    evalsha = _redispy.Prepacked("EVALSHA", "0" * 40, 1)
+    setter = _redispy.Prepacked("SET")
+    sent += [(lambda: link.script(setter, (key, b"v", "PX", 60_000)),),
+             (lambda: link.script(_redispy.Prepacked("GET"), (key,)),),
+             (lambda: link.script(evalsha, (key,)),),
+             (lambda: link.script(setter, (key, object())),),
+             (lambda: link.script(_redispy.Prepacked("DEL"), (key,)),)]
+    for (send,) in sent:
+        try:
+            out.append(("reply", send()))
+        except DataError as exc:  # refused before sending
+            out.append((type(exc).__name__, None))
+        except (NoScriptError, ResponseError) as exc:  # the server's answer
+            out.append((type(exc).__name__, str(exc).split(" ")[0]))
+    return out
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("fallback", ["internals", "no redis._parsers", "no hiredis"])
+def test_the_sync_link_falls_back_to_the_replies_and_errors_of_its_fast_path(
+    redis_url: str, unique: str, fallback: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    fast = _redispy.RedisLink(client)
+    take_away = FALLBACKS[fallback]
+    if take_away is not None:
+        take_away(monkeypatch)
+    link = _redispy.RedisLink(client)
+    try:
+        expected = _sync_script(fast, f"redispy:{unique}:sync-fast")
+        got = _sync_script(link, f"redispy:{unique}:sync-fallback")
+        assert got == expected
+        assert expected[0] in (("reply", b"OK"), ("reply", True))
+        assert [kind for kind, _ in expected[3:6]] == [
+            "ResponseError", "NoScriptError", "DataError"]
+        assert [kind for kind, _ in expected[8:]] == [
+            "reply", "reply", "NoScriptError", "DataError", "reply"]
+        assert expected[9] == ("reply", b"v")
+        fast_path = take_away is None and _redispy.hiredis_available()
+        assert (link._line().reader is not None) == fast_path
+    finally:
+        fast.close()
+        link.close()
+        client.close()
+
+
+def test_a_prepacked_command_is_what_hiredis_packs() -> None:
+    hiredis = pytest.importorskip("hiredis")
+    command = _redispy.Prepacked("EVALSHA", "a" * 40, 1)
+    rest = ("k:é", b"30000", "Ptoken", 7, b"")
+    assert command.pack(rest) == hiredis.pack_command(("EVALSHA", "a" * 40, 1, *rest))
+
+
 # -- a pool connection used directly ----------------------------------------------------
 
 
@@ -160,3 +225,21 @@ async def test_the_sync_twin_talks_to_the_same_server(redis_url: str, unique: st
         twin.delete(key)
         twin.close()
         await client.aclose()
+
+
+@pytest.mark.redis
+def test_a_sync_command_past_the_socket_timeout_raises_and_drops_its_connection(
+        redis_url: str, unique: str) -> None:
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=0.2)
+    link = _redispy.RedisLink(client)
+    try:
+        first = link.call("CLIENT", "ID")
+        with pytest.raises(RedisTimeout):
+            link.call("BLPOP", f"redispy:{unique}:never", 5)  # no reply within 0.2 s
+        assert link.call("CLIENT", "ID") != first  # the late reply is never read
+        assert link.call("PING") in (b"PONG", True)
+    finally:
+        link.close()
+        client.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -52,8 +53,150 @@ __all__ = [
 ]
 
 
+class Prepacked:
+    """``EVALSHA <sha> <numkeys>`` (or any command's fixed first words) packed once in
+    the Redis protocol; each call packs only its own words (:meth:`pack`): bytes, str
+    (UTF-8) or int, as redis-py would send them. The words are in ``words`` for
+    clients the links talk to through redis-py."""
+
+    __slots__ = ("count", "head", "words")
+
+    def __init__(self, *words: bytes | str | int) -> None:
+        self.words = words
+        self.count = len(words)
+        self.head = b"".join(_bulk(word) for word in words)
+
+    def pack(self, rest: tuple[Any, ...]) -> bytes:
+        """The whole command, the fixed words then ``rest``; ``DataError`` for a word
+        of another type (nothing is sent)."""
+        count = self.count + len(rest)
+        parts = [_ARRAYS[count] if count < _TABLE else b"*%d\r\n" % count, self.head]
+        for word in rest:
+            kind = type(word)
+            data = word if kind is bytes else word.encode() if kind is str else \
+                b"%d" % word if kind is int else _refused(word)
+            size = len(data)
+            parts += (_SIZES[size] if size < _TABLE else b"$%d\r\n" % size, data, b"\r\n")
+        return b"".join(parts)
+
+
+#: The RESP headers of arrays and strings of fewer than ``_TABLE`` items or bytes, made
+#: once (formatting a number is most of the cost of packing a short command).
+_TABLE = 512
+_ARRAYS = [b"*%d\r\n" % size for size in range(_TABLE)]
+_SIZES = [b"$%d\r\n" % size for size in range(_TABLE)]
+
+
+def _bulk(word: bytes | str | int) -> bytes:
+    data = word if type(word) is bytes else str(word).encode()
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
+def _refused(word: object) -> bytes:
+    from redis.exceptions import DataError
+
+    raise DataError(f"Invalid input of type: {type(word).__name__!r}. Convert to a "
+                    "bytes, string or int first.")
+
+
+def _reader_options(kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """How redis-py builds its hiredis reader for a connection with ``kwargs`` (None:
+    without hiredis or its error parser, the links talk through redis-py's
+    connection)."""
+    from redis.exceptions import InvalidResponse
+
+    parse_error = error_parser()
+    if parse_error is None or not hiredis_available():
+        return None
+    options: dict[str, Any] = {"protocolError": InvalidResponse, "replyError": parse_error,
+                               "notEnoughData": _INCOMPLETE}
+    if kwargs.get("decode_responses"):
+        options.update(encoding=kwargs.get("encoding", "utf-8"),
+                       errors=kwargs.get("encoding_errors", "strict"))
+    return options
+
+
+class _Line:
+    """One connection of a :class:`RedisLink` once redis-py has opened it (and
+    authenticated, selected the database, negotiated the protocol): a command is
+    written to its socket and its reply parsed by a hiredis reader built as redis-py
+    builds its own - no packer, health check or parser layers between the caller and
+    the socket. ``reader`` is None when that is not possible (no hiredis, RESP3, a
+    health-check interval): the command then goes through redis-py's connection.
+
+    An I/O error or a timeout disconnects it (``broken``: the link opens another, the
+    error is redis-py's ``ConnectionError`` or ``TimeoutError``); an error reply keeps
+    it, as redis-py does (a reply that is a connection error, such as ``LOADING``,
+    drops it, as redis-py does)."""
+
+    __slots__ = ("broken", "buffer", "conn", "reader", "sock")
+
+    def __init__(self, conn: Any, reader_options: dict[str, Any] | None) -> None:
+        self.conn = conn
+        self.broken = False
+        self.reader: Any = None
+        self.sock: Any = getattr(conn, "_sock", None)  # fakeredis has no socket
+        if reader_options is not None and isinstance(self.sock, socket.socket) \
+                and (push_type() is not None or str(getattr(conn, "protocol", 2)) == "2") \
+                and not getattr(conn, "health_check_interval", 0):
+            import hiredis
+
+            self.reader = hiredis.Reader(**reader_options)
+            self.buffer = bytearray(65536)
+
+    def exchange(self, packed: bytes) -> Any:
+        """Send one packed command and return its reply (error replies raise)."""
+        sock, reader = self.sock, self.reader
+        try:
+            sock.sendall(packed)
+            reply = reader.gets()
+            while reply is _INCOMPLETE or type(reply) is _PUSH:  # a push is not a reply
+                if reply is _INCOMPLETE:
+                    size = sock.recv_into(self.buffer)
+                    if not size:
+                        raise OSError("Connection closed by server.")
+                    reader.feed(self.buffer, 0, size)
+                reply = reader.gets()
+        except OSError as error:  # a timeout included
+            raise self._dropped(error) from None
+        except BaseException:  # e.g. a reply hiredis cannot parse, an interrupt
+            self._drop()
+            raise
+        if isinstance(reply, Exception):
+            from redis.exceptions import ConnectionError as RedisConnectionError
+
+            if isinstance(reply, RedisConnectionError):
+                self._drop()  # e.g. LOADING: redis-py drops the connection too
+            raise reply
+        return reply
+
+    def via_redis_py(self, packed: bytes) -> Any:
+        """:meth:`exchange` through redis-py's connection (which reconnects itself
+        after an I/O error)."""
+        conn = self.conn
+        conn.send_packed_command([packed])
+        return conn.read_response()
+
+    def _drop(self) -> None:
+        self.broken = True
+        with contextlib.suppress(Exception):
+            self.conn.disconnect()
+
+    def _dropped(self, error: OSError) -> Exception:
+        """redis-py's error for a failed exchange (as its connection raises it), the
+        connection dropped."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeout
+
+        self._drop()
+        if isinstance(error, TimeoutError):  # socket.timeout
+            return RedisTimeout("Timeout reading from socket")
+        return RedisConnectionError(f"Error while talking to Redis: {error}")
+
+
 class RedisLink:
-    """Sends commands for one checker, thread-safely."""
+    """Sends commands for one checker, thread-safely: each thread over a connection of
+    its own (a :class:`_Line`), built like the client's pool would build it."""
 
     def __init__(self, client: redis.Redis) -> None:
         from redis.connection import ConnectionPool
@@ -65,6 +208,14 @@ class RedisLink:
         self._local = threading.local()
         self._creating = threading.Lock()
         self._open: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._reader_options = _reader_options(pool.connection_kwargs) \
+            if self._direct and pool is not None else None
+        # With hiredis, a command of several words is packed by it, as redis-py does.
+        self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
+        if self._reader_options is not None:
+            import hiredis
+
+            self._pack = hiredis.pack_command
         # a forked child must not talk over its parent's sockets: it starts afresh
         os.register_at_fork(after_in_child=self._forget)
 
@@ -83,20 +234,46 @@ class RedisLink:
             raise CheckerClosed("the checker is closed: its Redis connections are released")
         if not self._direct:
             return self.client.execute_command(*args)  # type: ignore[no-untyped-call]
-        conn = self._connection()
-        conn.send_command(*args)
-        return conn.read_response()
+        line = self._line()
+        if line.reader is None:
+            conn = line.conn
+            conn.send_command(*args)
+            return conn.read_response()
+        assert self._pack is not None
+        try:
+            packed = self._pack(args)
+        except TypeError as error:  # a value redis-py would not send either
+            from redis.exceptions import DataError
 
-    def _connection(self) -> Any:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:  # a new thread (or a forked child)
+            raise DataError(str(error)) from None
+        return line.exchange(packed)
+
+    def script(self, command: Prepacked, rest: tuple[Any, ...]) -> Any:
+        """:meth:`call` of ``command``'s words then ``rest``, the fixed words packed
+        once (a checker's script calls: ``EVALSHA <sha> 1`` then the key and its
+        arguments)."""
+        if self.closed:
+            raise CheckerClosed("the checker is closed: its Redis connections are released")
+        if not self._direct:
+            return self.client.execute_command(  # type: ignore[no-untyped-call]
+                *command.words, *rest)
+        line = self._line()
+        packed = command.pack(rest)
+        if line.reader is None:
+            return line.via_redis_py(packed)
+        return line.exchange(packed)
+
+    def _line(self) -> _Line:
+        line: _Line | None = getattr(self._local, "line", None)
+        if line is None or line.broken:  # a new thread, a forked child, a dropped one
             assert self._pool is not None
             with self._creating:  # one at a time, as the pool does (fakeredis needs it)
                 conn = self._pool.connection_class(**self._pool.connection_kwargs)
                 conn.connect()
-            self._local.conn = conn
+            line = _Line(conn, self._reader_options)
+            self._local.line = line
             self._open.add(conn)
-        return conn
+        return line
 
     def close(self) -> None:
         """Close every thread's connection; afterwards :meth:`call` refuses. A
@@ -133,6 +310,8 @@ class _Wire(asyncio.Protocol):
         if waiter is None:
             return  # nothing asked: the caller finds the connection out of step
         reply = self.reader.gets()
+        while type(reply) is _PUSH:  # not the reply of the command sent
+            reply = self.reader.gets()
         if reply is not _INCOMPLETE:
             self.waiter = None
             if not waiter.done():
@@ -165,6 +344,26 @@ class _Wire(asyncio.Protocol):
 
 
 _INCOMPLETE = object()  # what the hiredis reader returns until a reply is complete
+
+
+def push_type() -> type | None:
+    """The type of a RESP3 push message as the hiredis reader returns it (None without
+    hiredis, or a hiredis too old to tell a push from a reply)."""
+    try:
+        import hiredis
+    except ImportError:
+        return None
+    found: type | None = getattr(hiredis, "PushNotification", None)
+    return found
+
+
+class _NoPush:
+    """Never a reply's type (no hiredis, or one without push messages)."""
+
+
+#: A push message arriving on a link's connection (RESP3: e.g. a server's maintenance
+#: notice) is skipped: it is not the reply of the command sent.
+_PUSH: type = push_type() or _NoPush
 
 
 def hiredis_available() -> bool:
@@ -218,7 +417,7 @@ class AsyncRedisLink:
 
     def __init__(self, client: Any) -> None:
         from redis.asyncio.connection import ConnectionPool
-        from redis.exceptions import InvalidResponse, ResponseError
+        from redis.exceptions import ResponseError
 
         self.client = client
         pool = getattr(client, "connection_pool", None)
@@ -238,30 +437,59 @@ class AsyncRedisLink:
         # With hiredis, commands are packed and replies parsed by it, as the sync client
         # does (the caller passes each word of a command as an argument of its own).
         self._pack: Callable[[tuple[Any, ...]], bytes] | None = None
-        self._reader_options: dict[str, Any] | None = None
-        parse_error = error_parser()
-        if parse_error is not None and hiredis_available():
+        self._reader_options = _reader_options(kwargs) if self._direct else None
+        if self._reader_options is not None:
             import hiredis
 
             self._pack = hiredis.pack_command
-            self._reader_options = {"protocolError": InvalidResponse,
-                                    "replyError": parse_error,
-                                    "notEnoughData": _INCOMPLETE}
-            if kwargs.get("decode_responses"):
-                self._reader_options.update(encoding=kwargs.get("encoding", "utf-8"),
-                                            errors=kwargs.get("encoding_errors", "strict"))
+
+    def _bound(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # connections belong to the loop that opened them
+            self._loop, self._free, self._busy, self._watch = loop, [], set(), None
+        return loop
 
     async def call(self, *args: Any) -> Any:
         """Send one command and return its reply (error replies raise)."""
         if not self._direct:
             return await self.client.execute_command(*args)
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # connections belong to the loop that opened them
-            self._loop, self._free, self._busy, self._watch = loop, [], set(), None
+        loop = self._bound()
+        conn = await self._take()
+        try:
+            if type(conn) is _Wire:
+                assert self._pack is not None
+                try:
+                    packed = self._pack(args)
+                except TypeError as error:  # a value redis-py would not send either
+                    from redis.exceptions import DataError
+
+                    raise DataError(str(error)) from None
+            else:
+                packed = conn.pack_command(*args)
+        except BaseException:
+            self._free.append(conn)  # nothing was sent
+            raise
+        if type(conn) is _Wire:
+            return await self._send(loop, conn, packed)
+        return await self._send_by_redis_py(conn, packed)
+
+    async def script(self, command: Prepacked, rest: tuple[Any, ...]) -> Any:
+        """:meth:`call` of ``command``'s words then ``rest``, the fixed words packed
+        once (see :meth:`RedisLink.script`)."""
+        if not self._direct:
+            return await self.client.execute_command(*command.words, *rest)
+        packed = command.pack(rest)  # a word it cannot send fails before anything else
+        loop = self._bound()
+        free = self._free
+        if free:  # the usual case, without a coroutine of its own: a free wire still open
+            conn = free[-1]
+            if type(conn) is _Wire and not conn.lost and not conn.transport.is_closing():
+                free.pop()
+                return await self._send(loop, conn, packed)
         conn = await self._take()
         if type(conn) is _Wire:
-            return await self._send(loop, conn, args)
-        return await self._send_by_redis_py(conn, args)
+            return await self._send(loop, conn, packed)
+        return await self._send_by_redis_py(conn, packed)
 
     async def _take(self) -> Any:
         """A free connection that is still open, or a new one: connections the server
@@ -289,15 +517,7 @@ class AsyncRedisLink:
         return conn
 
     async def _send(self, loop: asyncio.AbstractEventLoop, wire: _Wire,
-                    args: tuple[Any, ...]) -> Any:
-        assert self._pack is not None
-        try:
-            packed = self._pack(args)
-        except TypeError as error:  # a value redis-py would not send either
-            from redis.exceptions import DataError
-
-            self._free.append(wire)  # nothing was sent
-            raise DataError(str(error)) from None
+                    packed: bytes) -> Any:
         wire.waiter = waiter = loop.create_future()
         wire.transport.write(packed)  # a connection lost from here on fails the waiter
         if self._timeout is not None:
@@ -334,11 +554,10 @@ class AsyncRedisLink:
         if self._busy:
             self._watch = self._loop.call_later(self._timeout / 4, self._check_deadlines)
 
-    async def _send_by_redis_py(self, conn: Any, args: tuple[Any, ...]) -> Any:
+    async def _send_by_redis_py(self, conn: Any, packed: Any) -> Any:
         from redis.exceptions import ResponseError
         from redis.exceptions import TimeoutError as RedisTimeout
 
-        packed = conn.pack_command(*args)
         try:
             if self._timeout is None:
                 await conn.send_packed_command(packed)

@@ -338,7 +338,19 @@ class RedisTwin(Twin):
                 self.journal.trips.pop()
                 raise
 
+        send_script = link.script
+
+        def script(command: Any, rest: tuple[Any, ...]) -> Any:
+            # the single-key forms' calls (EVALSHA <sha> 1 packed once)
+            self.journal.attempt(by_sha[command.words[1]], command.words[2])
+            try:
+                return send_script(command, rest)
+            except redis.exceptions.NoScriptError:
+                self.journal.trips.pop()  # as for call() above
+                raise
+
         link.call = call  # type: ignore[method-assign]
+        link.script = script  # type: ignore[method-assign]
         self.client = checker.client
         return checker
 

@@ -51,14 +51,19 @@ from msgpatterns.idempotency.guard import (
     claim_many_steps,
     complete_steps,
     drive,
-    lease_steps,
     new_token,
     release_steps,
     with_result,
 )
 from msgpatterns.idempotency.keys import KeyBuilder
-from msgpatterns.idempotency.lease_call import lease_call
-from msgpatterns.idempotency.policy import StorePolicy, acall_with_retries, call_with_retries
+from msgpatterns.idempotency.lease_call import alease_call, lease_call
+from msgpatterns.idempotency.policy import (
+    StorePolicy,
+    acall_with_retries,
+    aretry_after,
+    call_with_retries,
+    retry_after,
+)
 from msgpatterns.idempotency.records import Claim, IdempotencyStats
 from msgpatterns.idempotency.results import (
     DEFAULT_MAX_RESULT_BYTES,
@@ -188,10 +193,20 @@ class AsyncOptions(TypedDict, total=False):
 def checker_options(fail_open: bool, store_result: bool, max_result_bytes: int,
                     result_key: bytes | None = None) -> Options:
     """A checker's constructor options, checked (``max_result_bytes`` when results are
-    stored)."""
+    stored). The same options are the same object (kept: a guarded call's hot path)."""
+    cache_key = (fail_open, store_result, max_result_bytes, result_key)
+    found = _OPTIONS.get(cache_key)
+    if found is not None:
+        return found
     if store_result:
         check_max_result_bytes(max_result_bytes)
-    return Options(fail_open, store_result, max_result_bytes, result_key)
+    options = Options(fail_open, store_result, max_result_bytes, result_key)
+    if len(_OPTIONS) < 256:
+        _OPTIONS[cache_key] = options
+    return options
+
+
+_OPTIONS: dict[tuple[bool, bool, int, bytes | None], Options] = {}
 
 
 def attach_results(claims: Sequence[Claim], results: Sequence[object] | None,
@@ -322,12 +337,24 @@ class LeaseChecker(_LeaseBase):
 
     def _perform(self, io: Io) -> Any:
         """One store operation the guard asked for: a round trip, retried on transient
-        errors, reported to the telemetry listener."""
-        self._check_open()
-        if io.op == "queue":
+        errors, reported to the telemetry listener (:func:`perform_io`)."""
+        if self._closed:
+            self._check_open()
+        op = io.op
+        if op == "queue":
             return self._behind is not None and self._behind.add(io.arg)
-        return perform_io(getattr(self.store, io.op), io, self.policy, self.store.transient,
-                          self.stats)
+        operation = getattr(self.store, op)
+        if _obs.listener is not None or not io.retried:
+            return perform_io(operation, io, self._policy, self.store.transient, self.stats)
+        # the hot path, perform_io's first attempt inline: nothing to report, and the
+        # retries' description built only when they are needed
+        transient = self.store.transient
+        try:
+            return operation(io.arg)
+        except transient as exc:
+            first: BaseException = exc
+        return retry_after(first, partial(operation, io.arg), self._policy, transient,
+                           what=f"{self.stats.owner}.{op}", on_error=self.stats.count_error)
 
     def _drive(self, steps: Steps[R]) -> R:
         return drive(steps, self._perform, _no_handler)
@@ -501,15 +528,29 @@ class AsyncDriver:
     _abehind: AsyncWriteBehind | None = None
 
     if TYPE_CHECKING:  # provided by the checker it is mixed into
+        _closed: bool
+
         def _check_open(self) -> None: ...
 
     async def _aperform(self, io: Io) -> Any:
         """One store operation the guard asked for, awaited (see ``_perform``)."""
-        self._check_open()
-        if io.op == "queue":
+        if self._closed:
+            self._check_open()
+        op = io.op
+        if op == "queue":
             return await self._async_behind().add(io.arg)
-        return await aperform_io(getattr(self.astore, io.op), io, self.policy,
-                                 self.astore.transient, self.stats)
+        operation = getattr(self.astore, op)
+        if _obs.listener is not None or not io.retried:
+            return await aperform_io(operation, io, self.policy, self.astore.transient,
+                                     self.stats)
+        transient = self.astore.transient  # the hot path, as in _perform
+        try:
+            return await operation(io.arg)
+        except transient as exc:
+            first: BaseException = exc
+        return await aretry_after(first, partial(operation, io.arg), self.policy, transient,
+                                  what=f"{self.stats.owner}.{op}",
+                                  on_error=self.stats.count_error)
 
     def _async_behind(self) -> AsyncWriteBehind:
         if self._abehind is None:
@@ -530,10 +571,12 @@ class AsyncDriver:
         and errors. A handler cancelled while it runs releases its claim, like one that
         raises."""
         self._check_open()
-        steps = lease_steps(self.rules, self.keys.build(key, group), fingerprint,
-                            checker_options(fail_open, store_result, max_result_bytes,
-                                     self.result_key))
-        return await adrive(steps, self._aperform, call)
+        # lease_steps in direct style (the async hot path; differential-tested against
+        # adrive(lease_steps(...)))
+        return await alease_call(self.rules, self._aperform, self.keys.build(key, group),
+                                 fingerprint, checker_options(fail_open, store_result,
+                                                              max_result_bytes,
+                                                              self.result_key), call)
 
     async def aflush(self) -> None:
         """Write every completion queued by ``write_behind`` (fast mode)."""

@@ -13,10 +13,11 @@ once; only the I/O differs between a sync and an async checker, and between stor
 Two strategies:
 
 * :func:`lease_steps` - a lease store (memory, Redis, SQL): claim with a lease, run,
-  complete (compare-and-set) or release (compare-and-delete). A sync checker's single
+  complete (compare-and-set) or release (compare-and-delete). A checker's single
   guarded call runs its direct-style twin,
-  :func:`~msgpatterns.idempotency.lease_call.lease_call` (the per-call hot path), which
-  a differential test holds to exactly what ``drive(lease_steps(...))`` does;
+  :func:`~msgpatterns.idempotency.lease_call.lease_call` (sync) or ``alease_call``
+  (async), the per-call hot paths, which differential tests hold to exactly what
+  ``drive(lease_steps(...))`` and ``adrive(lease_steps(...))`` do;
 * :func:`transactional_steps` - the dedup row and the handler's writes in one
   database transaction: claim inside it, run the handler on it, check it can still
   commit, commit (nothing to complete, nothing to release: a rollback undoes both).
@@ -228,8 +229,8 @@ def count_claims(stats: IdempotencyStats, claims: Iterable[Claim]) -> None:
 
 def classify(key: str, record: Record, token: str, fingerprint: str | None) -> Claim:
     """Rule 1's outcome: what a store found after a claim attempt, as a :class:`Claim`."""
-    if record.token == token:
-        return Claim(key, Status.CLAIMED, token, fingerprint=fingerprint)
+    if record.token == token:  # the usual case, built without Claim's Python __new__
+        return tuple.__new__(Claim, (key, Status.CLAIMED, token, 0.0, fingerprint, None))
     if fingerprint is not None and record.fingerprint not in (None, fingerprint):
         return Claim(key, Status.CONFLICT)
     if record.state == DONE:
@@ -388,7 +389,8 @@ def claim_one_steps(rules: LeaseRules, store_key: str,
         token = new_token()
         (record,) = yield Io("claim_many", [ClaimRequest(store_key, token, fingerprint)])
         claim = classify(store_key, record, token, fingerprint)
-    rules.stats.add(COUNTERS[claim.status])
+    status = claim.status
+    rules.stats.add("claimed" if status is Status.CLAIMED else COUNTERS[status])
     return claim
 
 

@@ -20,7 +20,8 @@ import tenacity
 from msgpatterns.errors import ConfigurationError, StoreUnavailable
 from msgpatterns.retry import Backoff
 
-__all__ = ["StorePolicy", "acall_with_retries", "call_with_retries"]
+__all__ = ["StorePolicy", "acall_with_retries", "aretry_after", "call_with_retries",
+           "retry_after"]
 
 log = logging.getLogger("msgpatterns.idempotency")
 
@@ -106,6 +107,21 @@ def call_with_retries(
         return fn()
     except transient as exc:
         first: BaseException = exc
+    return retry_after(first, fn, policy, transient, what=what, on_error=on_error)
+
+
+def retry_after(
+    first: BaseException,
+    fn: Callable[[], T],
+    policy: StorePolicy,
+    transient: tuple[type[BaseException], ...],
+    *,
+    what: str,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> T:
+    """What :func:`call_with_retries` does once the first ``fn()`` failed with
+    ``first`` (a ``transient`` error): for a caller that made the first attempt
+    itself."""
     retries = _Retries(policy, transient, what, on_error, first)
     try:
         result: T = retries.retrying(tenacity.Retrying)(retries.attempt(fn))
@@ -128,6 +144,19 @@ async def acall_with_retries(
         return await fn()
     except transient as exc:
         first: BaseException = exc
+    return await aretry_after(first, fn, policy, transient, what=what, on_error=on_error)
+
+
+async def aretry_after(
+    first: BaseException,
+    fn: Callable[[], Awaitable[T]],
+    policy: StorePolicy,
+    transient: tuple[type[BaseException], ...],
+    *,
+    what: str,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> T:
+    """:func:`retry_after` for an async ``fn``."""
     retries = _Retries(policy, transient, what, on_error, first)
     try:
         call = retries.attempt(fn)

@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 from msgpatterns._callables import renamed_arguments
 from msgpatterns._extras import require
-from msgpatterns._redispy import AsyncRedisLink, RedisLink
+from msgpatterns._redispy import AsyncRedisLink, Prepacked, RedisLink
 from msgpatterns.errors import ConfigurationError
 from msgpatterns.idempotency.base import AsyncLeaseChecker, AsyncOptions, LeaseChecker
 from msgpatterns.idempotency.guard import ClaimRequest
@@ -149,9 +149,13 @@ class _Script:
     one: _Script | None = None
     single: bool = False
     sha: str = ""
+    #: ``EVALSHA <sha> 1``, packed once: how a single-key form is called.
+    command: Prepacked | None = None
 
     def __post_init__(self) -> None:
         self.sha = hashlib.sha1(self.script.encode("utf-8"), usedforsecurity=False).hexdigest()
+        if self.single:
+            self.command = Prepacked("EVALSHA", self.sha, 1)
 
 
 #: One script call per chunk of keys: (script, keys, ARGV).
@@ -168,19 +172,15 @@ def _complete_argv(item: ClaimRequest) -> tuple[str, str, str]:
     return item.token, item.fingerprint or "", item.result or ""
 
 
-def _own(script: _Script, reply: Any) -> Any:
-    """The reply of a one-key call for its key (a batch script answers a table)."""
-    return reply if script.single else reply[0]
-
-
 def _text(value: Any) -> str:
     return value.decode("ascii") if isinstance(value, bytes) else str(value)
 
 
 def _record(reply: Any, request: ClaimRequest, lease_ms: int) -> Record:
     """The record a claim reply describes: 1 (claimed) or [current value, its PTTL]."""
-    if reply == 1:
-        return Record(PROCESSING, request.token, request.fingerprint, lease_ms / 1000)
+    if reply == 1:  # claimed (built without Record's Python __new__: the hot path)
+        return tuple.__new__(Record, (PROCESSING, request.token, request.fingerprint,
+                                      lease_ms / 1000, None))
     value, pttl = _text(reply[0]), int(reply[1])
     fingerprint, newline, result = value[33:].partition("\n")
     return Record(value[0], value[1:33], fingerprint or None, max(pttl, 0) / 1000,
@@ -197,6 +197,7 @@ class RedisScripts:
         #: hash slot; the store sends a batch as one pipeline of single-key calls).
         self.chunk = chunk
         self.lease_ms, self.ttl_ms = lease_ms, ttl_ms
+        self.lease_word, self.ttl_word = b"%d" % lease_ms, b"%d" % ttl_ms
         self.claim, self.complete, self.release = (
             _Script(CLAIM, _Script(CLAIM_ONE, single=True)),
             _Script(COMPLETE, _Script(COMPLETE_ONE, single=True)),
@@ -214,17 +215,19 @@ class RedisScripts:
         return self.calls(self.complete, [item.key for item in items], (self.ttl_ms,),
                           [_complete_argv(item) for item in items])
 
-    # One key (a single guarded call): the call as ``calls`` would make it, without
-    # the batch's lists; the reply is that key's own.
+    # One key (a single guarded call): the key and ARGV of the script's single-key form
+    # (``script.one``, None on the plain path: then the batch script, by ``calls``),
+    # without the batch's lists; the reply is that key's own.
 
-    def claim_one(self, request: ClaimRequest) -> Call:
-        return self._one(self.claim, request.key, [self.lease_ms, *_claim_argv(request)])
+    def claim_one(self, request: ClaimRequest) -> tuple[str, bytes, str]:
+        return request.key, self.lease_word, \
+            "P" + request.token + (request.fingerprint or "")
 
-    def complete_one(self, item: ClaimRequest) -> Call:
-        return self._one(self.complete, item.key, [self.ttl_ms, *_complete_argv(item)])
+    def complete_one(self, item: ClaimRequest) -> tuple[str, bytes, str, str, str]:
+        return item.key, self.ttl_word, item.token, item.fingerprint or "", item.result or ""
 
-    def _one(self, script: _Script, key: str, args: list[Any]) -> Call:
-        return (script.one or script), [key.encode("utf-8")], args
+    def release_one(self, item: ClaimRequest) -> tuple[str, str]:
+        return item.key, item.token
 
     def release_calls(self, items: Sequence[ClaimRequest]) -> list[Call]:
         return self.calls(self.release, [item.key for item in items], (),
@@ -460,20 +463,34 @@ class RedisStore(_Store):
 
     def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
         scripts = self.scripts
-        if len(requests) == 1:  # a single guarded call: one script call, no lists
-            script, keys, args = scripts.claim_one(requests[0])
-            reply = _own(script, self._eval(script, keys, args))
-            return [_record(reply, requests[0], scripts.lease_ms)]
+        one = scripts.claim.one
+        if len(requests) == 1 and one is not None:  # a single guarded call
+            request = requests[0]
+            reply = self._script(one, scripts.claim_one(request))
+            return [_record(reply, request, scripts.lease_ms)]
         return scripts.records(self._run(scripts.claim_calls(requests)), requests)
 
     def complete_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        if len(items) == 1:
-            script, keys, args = self.scripts.complete_one(items[0])
-            return [_own(script, self._eval(script, keys, args)) == 1]
+        one = self.scripts.complete.one
+        if len(items) == 1 and one is not None:
+            return [self._script(one, self.scripts.complete_one(items[0])) == 1]
         return [reply == 1 for reply in self._run(self.scripts.complete_calls(items))]
 
     def release_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        one = self.scripts.release.one
+        if len(items) == 1 and one is not None:
+            return [self._script(one, self.scripts.release_one(items[0])) == 1]
         return [reply == 1 for reply in self._run(self.scripts.release_calls(items))]
+
+    def _script(self, script: _Script, rest: tuple[Any, ...]) -> Any:
+        """One call of a single-key script (its ``EVALSHA`` head packed once),
+        re-loading the script if the server lost it."""
+        assert script.command is not None
+        try:
+            return self.link.script(script.command, rest)
+        except self._no_script:
+            self.link.call("SCRIPT", "LOAD", script.script)
+            return self.link.script(script.command, rest)
 
     def _run(self, calls: list[Call]) -> list[Any]:
         if len(calls) > 1 and self.scripts.chunk == 1:  # a cluster
@@ -525,20 +542,34 @@ class AsyncRedisStore(_Store):
 
     async def claim_many(self, requests: Sequence[ClaimRequest]) -> list[Record]:
         scripts = self.scripts
-        if len(requests) == 1:  # a single guarded call: one script call, no lists
-            script, keys, args = scripts.claim_one(requests[0])
-            reply = _own(script, await self._eval(script, keys, args))
-            return [_record(reply, requests[0], scripts.lease_ms)]
+        one = scripts.claim.one
+        if len(requests) == 1 and one is not None:  # a single guarded call
+            request = requests[0]
+            reply = await self._script(one, scripts.claim_one(request))
+            return [_record(reply, request, scripts.lease_ms)]
         return scripts.records(await self._run(scripts.claim_calls(requests)), requests)
 
     async def complete_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
-        if len(items) == 1:
-            script, keys, args = self.scripts.complete_one(items[0])
-            return [_own(script, await self._eval(script, keys, args)) == 1]
+        one = self.scripts.complete.one
+        if len(items) == 1 and one is not None:
+            return [await self._script(one, self.scripts.complete_one(items[0])) == 1]
         return [reply == 1 for reply in await self._run(self.scripts.complete_calls(items))]
 
     async def release_many(self, items: Sequence[ClaimRequest]) -> list[bool]:
+        one = self.scripts.release.one
+        if len(items) == 1 and one is not None:
+            return [await self._script(one, self.scripts.release_one(items[0])) == 1]
         return [reply == 1 for reply in await self._run(self.scripts.release_calls(items))]
+
+    async def _script(self, script: _Script, rest: tuple[Any, ...]) -> Any:
+        """One call of a single-key script, re-loading the script if the server lost
+        it."""
+        assert script.command is not None
+        try:
+            return await self.link.script(script.command, rest)
+        except self._no_script:
+            await self.link.call("SCRIPT", "LOAD", script.script)
+            return await self.link.script(script.command, rest)
 
     def __init__(self, client: Any, scripts: RedisScripts) -> None:
         super().__init__(client, scripts)
