@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from parity_drivers import Driver, Until, eventually
 
 from broker_harness import delete_nats_stream, require_library
 from msgpatterns import Backoff, Message, RetryPolicy
 from msgpatterns.testing import services
+from two_drivers import Driver, Until, eventually
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]
 
