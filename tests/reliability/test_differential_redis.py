@@ -10,7 +10,10 @@ Each schedule runs once per twin on the real Redis, and the two runs must agree:
   message (``ack_flush_interval=0``);
 * ``AsyncRedisLink`` (the checker's own connections) vs redis-py's asyncio connection
   (the same checker on a client whose pool is not the plain one, so the link sends
-  through ``client.execute_command``).
+  through ``client.execute_command``);
+* the sync ``RedisLink`` (commands written to the socket of redis-py's connection,
+  replies read by a hiredis reader) vs redis-py's own connection, the same way, under a
+  ``Consumer``.
 
 Agree means: the same final effects (which messages' handlers succeeded), the same
 settlement per message (acked, or dead-lettered), and nothing pending afterwards. For
@@ -45,7 +48,7 @@ from redis_fault_tools import (
 )
 from reliability_harness import examples
 
-from msgpatterns import InMemoryBroker, Reject, idempotent
+from msgpatterns import Consumer, InMemoryBroker, Reject, idempotent
 from msgpatterns.aio.consumer import AsyncConsumer
 from msgpatterns.aio.memory import AsyncInMemoryBroker
 from msgpatterns.message import Message
@@ -293,4 +296,98 @@ def test_async_redis_link_and_redis_py_connection_agree(schedule: Schedule) -> N
         # exactly once on both. With a stop whose deadline cuts a claim round short the
         # runtime may still release claims of handlers that returned (issue 19, hole 1:
         # another branch); until that lands, stops are compared by the sets above.
+        assert ours["effects"] == theirs["effects"] == dict.fromkeys(applied, 1)
+
+
+# -- the sync RedisLink vs redis-py's own connection ----------------------------------------
+
+
+class PlainSyncPool(redis.ConnectionPool):  # type: ignore[misc]
+    """Not redis-py's plain pool: the sync link then talks through
+    ``client.execute_command`` (redis-py's own connection handling)."""
+
+
+def run_sync_checker_schedule(schedule: Schedule, *, link: bool) -> dict[str, Any]:
+    """:func:`run_checker_schedule` on the thread driver: ``@idempotent(RedisChecker)``
+    over the sync link or redis-py's connection, the checker's connections killed every
+    ``fault_every``-th handler run."""
+    from msgpatterns.idempotency import RedisChecker
+
+    unique = uuid.uuid4().hex[:10]
+    name = f"diff-sync-checker-{unique}"
+    url = with_client_name(services.require("redis"), name)
+    admin = redis.Redis.from_url(services.require("redis"))
+    broker = InMemoryBroker()
+    topic = "orders"
+    kinds = {f"k{i}": kind for i, kind in enumerate(schedule.kinds)}
+    label: dict[str | None, str] = {}
+    for copy in (1, 2):
+        for key in kinds:
+            label[broker.publish(topic, key.encode(), key=key)] = f"{key}#{copy}"
+    effects: collections.Counter[str] = collections.Counter()
+    runs = [0]
+    lock = threading.Lock()
+    total = 2 * len(kinds)
+    client = (redis.Redis.from_url(url) if link else
+              redis.Redis(connection_pool=PlainSyncPool.from_url(url)))
+    checker = RedisChecker(client, namespace=f"diff-{unique}", ttl=600, lease=1)
+    assert checker.store.link._direct is link  # each twin on the path it names
+
+    @idempotent(checker, group="g")
+    def handle(message: Message) -> None:
+        key = str(message.key)
+        with lock:
+            runs[0] += 1
+            run = runs[0]
+        if schedule.fault_every and run % schedule.fault_every == 0:
+            kill_named(admin, name)
+        kind = kinds[key]
+        if kind == "slow":
+            time.sleep(0.005)  # the workload: a slow handler, not synchronisation
+        elif kind == "fail_once" and message.attempt == 1:
+            raise RuntimeError("first attempt fails")
+        elif kind == "reject":
+            raise Reject("rejected by the schedule")
+        with lock:
+            effects[key] += 1
+
+    def settled() -> bool:
+        return len(broker.acked) + len(broker.dead_letters) >= total
+
+    try:
+        for part in range(2):
+            consumer = Consumer(broker, handle, topics=[topic], group="g", workers=4,
+                                max_in_flight=8, retry=CHECKER_POLICY, poll_timeout=0.02)
+            consumer.start()
+            give_up = time.monotonic() + 60
+            while not settled() and time.monotonic() < give_up:
+                if part == 0 and schedule.stop_after is not None \
+                        and runs[0] >= schedule.stop_after:
+                    break
+                time.sleep(0.01)  # polling the fake's counters
+            consumer.stop(schedule.stop_timeout if part == 0 else 5)
+            if settled():
+                break
+    finally:
+        checker.close()
+        client.close()
+        admin.close()
+    return {"effects": dict(effects),
+            "acked": {label[m.id] for m in broker.acked},
+            "dead": {label[d.message.id] for d in broker.dead_letters},
+            "pending": broker.pending}
+
+
+@profile(0.08)
+@given(schedule=schedules)
+def test_sync_redis_link_and_redis_py_connection_agree(schedule: Schedule) -> None:
+    ours = run_sync_checker_schedule(schedule, link=True)
+    theirs = run_sync_checker_schedule(schedule, link=False)
+    applied = {f"k{i}" for i, kind in enumerate(schedule.kinds) if kind != "reject"}
+    for run in (ours, theirs):
+        assert set(run["effects"]) == applied
+        assert run["pending"] == 0
+    assert ours["acked"] == theirs["acked"]
+    assert ours["dead"] == theirs["dead"]
+    if schedule.stop_after is None:
         assert ours["effects"] == theirs["effects"] == dict.fromkeys(applied, 1)
