@@ -556,7 +556,7 @@ class Consumer(DriverBase):
         """While stopping: a message whose broker is closed is handed back instead of
         run (its ack could not go out: running it would only apply its effect once more
         on redelivery; ``close()`` hands back what it left pending). True if so."""
-        if not getattr(self.broker, "closed", False):
+        if getattr(self.broker, "closed", False) is not True:  # (a method: not a flag)
             return False
         message.delivery.expire(message, Released("broker closed while stopping"))
         return True
