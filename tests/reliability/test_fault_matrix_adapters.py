@@ -376,9 +376,10 @@ KNOWN: dict[tuple[str, str, str, str], str] = {
 #: before); a BlockingChannel RPC has no timeout, so the consumer never fetches again
 #: (stack: _io.py _reconnect -> broker.py _consume -> basic_consume -> _flush_output).
 #: The asyncio adapter (aio-pika, RPC timeouts) recovers in the same runs.
-#: The asyncio adapter: no recovery within WAIT after the first restart in 1 of 4
-#: runs (@idempotent; not diagnosed yet). NOT_RUN: xfail lines not run at all (a hang
-#: costs WAIT seconds of CI each time; take them out once fixed).
+#: The asyncio adapter: no recovery within WAIT after the first restart in 3 of 6
+#: runs (plain and @idempotent; not diagnosed yet). NOT_RUN: xfail lines not run at all
+#: (a hang costs about two minutes of CI each time; take them out once fixed) - all
+#: but asyncio/plain, which keeps one RabbitMQ kill-and-restart line running.
 NOT_RUN: set[tuple[str, str, str, str]] = set()
 for _mode in ("plain", "idempotent"):
     KNOWN[("rabbitmq", "sync", _mode, "server-killed")] = (
@@ -386,8 +387,9 @@ for _mode in ("plain", "idempotent"):
         "basic_consume (no RPC timeout in pika's BlockingChannel)")
     NOT_RUN.add(("rabbitmq", "sync", _mode, "server-killed"))
     KNOWN[("rabbitmq", "async", _mode, "server-killed")] = (
-        "asyncio RabbitMQ: no recovery within WAIT after a node restart in 1 of 4 runs "
+        "asyncio RabbitMQ: no recovery within WAIT after a node restart in 3 of 6 runs "
         "(not diagnosed)")
+NOT_RUN.add(("rabbitmq", "async", "idempotent", "server-killed"))
 KNOWN[("rabbitmq", "sync", "ordered", "stop-close-race")] = (
     "RabbitMQ quorum queue: deliveries handed back across a stop/close race return "
     "in hand-back order, not publish order; a key's later message can run first")
