@@ -514,11 +514,14 @@ class Consumer(DriverBase):
         call = self._call
         deadlines = self._deadlines
         track = None if deadlines is None else deadlines.track
+        fetcher, running, moot = self._fetcher, _State.RUNNING, self._moot
 
         def run_plain(message: Message) -> None:
             delivery = message.delivery
             if delivery.settled:
                 return  # handed back by stop() before it could run
+            if fetcher.state is not running and moot(message):
+                return
             if track is not None:
                 track(message)
             error: BaseException | None = None
@@ -536,6 +539,8 @@ class Consumer(DriverBase):
         delivery = message.delivery
         if delivery.settled:
             return  # handed back by stop() before it could run
+        if self._fetcher.state is not _State.RUNNING and self._moot(message):
+            return
         deadlines = self._deadlines
         if deadlines is not None:
             deadlines.track(message)
@@ -561,6 +566,15 @@ class Consumer(DriverBase):
             message.delivery.finish(message, error)
         finally:
             _obs.report(scope.close)
+
+    def _moot(self, message: Message) -> bool:
+        """While stopping: a message whose broker is closed is handed back instead of
+        run (its ack could not go out: running it would only apply its effect once more
+        on redelivery; ``close()`` hands back what it left pending). True if so."""
+        if getattr(self.broker, "closed", False) is not True:  # (a method: not a flag)
+            return False
+        message.delivery.expire(message, Released("broker closed while stopping"))
+        return True
 
     def _decode_and_call(self, message: Message) -> None:
         """The handler after the decoder (a decoder error is a MalformedMessage)."""
