@@ -77,14 +77,7 @@ def delete_partitions(harness: Harness, name: str, group: str = "g",
 #: Mappings that do not pass yet, with the reason (none now: the RabbitMQ adapter lets
 #: go of a partition's queue when its fetch no longer names it; a Kafka publisher's
 #: ``subscribe`` no longer joins the group and holds partitions nobody reads).
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    # found when the batch refill (hand a busy partition back once drained) met the
-    # asyncio topic consumer: 62-63 of 64 handled within the wait, every route change
-    # applied; the sync driver passes. Not run: a stall costs two minutes.
-    ("every_change/async", "kafka"): (
-        "asyncio topic consumer on Kafka: 1-2 of 64 messages not handled within the "
-        "wait after a drained partition is handed back (liveness; under investigation)"),
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 
 def known_gap(case: str, harness: Harness) -> None:
@@ -120,7 +113,6 @@ def test_every_change_keeps_per_key_order(harness: Harness, topic_name: Callable
                                           driver: str) -> None:
     """On both drivers: ``OrderedTopic.consumer`` and ``async_consumer``."""
     known_gap("every_change", harness)
-    known_gap(f"every_change/{driver}", harness)
     name = topic_name()
     result = run_schedule(brokers(harness), MemoryRouteStore(), EVERY_CHANGE, seed=1,
                           name=name, options=options_for(harness), driver=driver)

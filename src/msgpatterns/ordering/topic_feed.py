@@ -278,7 +278,11 @@ class TopicFeed:
                         if held.readable_at <= now and not held.draining]
         wait = min(timeout, self._interval, self._until_fence())
         if not readable:
-            self._wake.wait(wait)
+            # a broker whose group needs its members served while they read nothing
+            # (Kafka: a member that stops polling holds up the group's rebalances)
+            idle = getattr(self._inner, "idle", None)
+            if idle is None or not idle(group, wait):
+                self._wake.wait(wait)
             return []
         fetched = self._inner.fetch(readable, group, max_messages, wait)
         out: list[Message] = []

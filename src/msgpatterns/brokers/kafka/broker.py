@@ -264,6 +264,33 @@ class KafkaBroker(GroupConsumers, Producing, BrokerAdapter):
                 return
             self._group(group, [topic])
 
+    def idle(self, group: str, timeout: float) -> bool:
+        """This process reads none of ``group``'s topics for now (an
+        :class:`~msgpatterns.ordering.OrderedTopic` member that handed back all its
+        partitions): leave ``group``'s subscription, and serve its consumer for up to
+        ``timeout`` seconds instead of fetching.
+
+        A member that simply stopped polling would hold up every rebalance of the group
+        (a route change adds partition topics) until ``max.poll.interval.ms``, and with
+        the eager protocol the other members' partitions stay revoked meanwhile. Leaving
+        runs the revoke, which commits the settled prefix of what it held. The next
+        :meth:`fetch` of ``group`` joins again. Returns False when this object has no
+        consumer for ``group`` (nothing to serve: the caller waits itself)."""
+        with self._life.operation("fetch"):
+            state = self._groups.get(group)
+            if state is None:
+                return False
+            self._commit(state, asynchronous=True)
+            if state.topics:
+                state.topics = ()
+                state.retry_topics = {}
+                state.consumer.unsubscribe()
+            # serves the revoke (and its commit) and the commit callbacks; no partition
+            # is assigned any more, so no record comes back to hand out
+            state.consumer.poll(timeout)
+            self._producer.poll(0)
+            return True
+
     def _fetch_messages(self, topics: list[str], group: str, max_messages: int,
                        timeout: float) -> list[Message]:
         """Up to ``max_messages`` records of ``topics`` and their due retries, waiting
