@@ -8,8 +8,9 @@ On Redis Streams with a RedisRouteStore (real Redis; unique names, removed at th
    Baseline: 1 process, same run. Goals: 2 processes >= 1.8x, 4 processes >= 3.2x.
    Beside: the consumer processes' CPU per message (all their threads) and messages
    per fetch. Run for both refill modes of the ordered pump, interleaved: the batch
-   refill (the default) and its plain twin (``Fetcher.batch_refill = False``: one
-   fetch as soon as a slot is free).
+   refill (opt-in for now: ``Fetcher.batch_refill = True``) and its plain twin
+   (``Fetcher.batch_refill = False``, the default: one fetch as soon as a slot is
+   free).
 2. A split under load: 2 consumer processes, a publisher at a steady rate over many
    keys, partition 1 split in the middle of it. The latency (handled - published) of
    the messages of the split partition's keys published around the split, against

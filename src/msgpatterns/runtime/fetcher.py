@@ -40,8 +40,11 @@ class Fetcher:
     """Fetching, flow control and the ready queue of one thread-driven consumer."""
 
     #: Ordered mode refills a full window a batch at a time (:meth:`_refill_later`);
-    #: False: the plain twin, one fetch as soon as a slot is free.
-    batch_refill = True
+    #: False: the plain twin, one fetch as soon as a slot is free. Off by default:
+    #: the fast path's differential test (tests/reliability/test_differential_refill.py)
+    #: failed in one full CI run whose cause is not found yet, so the plain path stays
+    #: the default until it is green there.
+    batch_refill = False
     #: The ordered consumer's lanes (its ``workers``): below that many messages
     #: running or ready, the pump refills without waiting for a batch.
     lanes = 1
