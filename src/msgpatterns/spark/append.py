@@ -71,9 +71,10 @@ def _add_call_id(engine: sa.Engine, ledger: sa.Table) -> None:
         return
     try:
         with engine.begin() as conn:
-            conn.execute(sa.text(
-                f"ALTER TABLE {engine.dialect.identifier_preparer.format_table(ledger)} "
-                "ADD COLUMN call_id VARCHAR(32)"))
+            # constant DDL; SQLAlchemy quotes the table's name into %(fullname)s
+            add = sa.DDL(  # type: ignore[no-untyped-call]
+                "ALTER TABLE %(fullname)s ADD COLUMN call_id VARCHAR(32)")
+            conn.execute(add.against(ledger))
     except sa.exc.DBAPIError:
         columns = {c["name"] for c in sa.inspect(engine).get_columns(ledger.name)}
         if "call_id" not in columns:
